@@ -1,0 +1,126 @@
+"""Phase 2: truncation masks checked exactly, sampling checked statistically with fixed seeds."""
+
+import math
+
+import pytest
+import torch
+
+from phase2_sampling import ModelConfig, Sampler, SamplingParams, TinyTransformer, generate
+from phase2_sampling.sampling import filtered_logits, min_p_mask, top_k_mask, top_p_mask
+
+# probabilities 0.4, 0.3, 0.2, 0.1 (log of them as logits)
+PROBS = torch.tensor([0.1, 0.4, 0.2, 0.3])
+LOGITS = PROBS.log()
+
+
+def test_top_k_mask():
+    assert top_k_mask(LOGITS, 2).tolist() == [True, False, True, False]
+    assert top_k_mask(LOGITS, 1).tolist() == [True, False, True, True]
+    assert top_k_mask(LOGITS, 10).tolist() == [False] * 4
+
+
+@pytest.mark.parametrize(
+    "p,dropped",
+    [
+        (0.4, [True, False, True, True]),  # 0.4 alone reaches 0.4
+        (0.5, [True, False, True, False]),  # needs 0.4 + 0.3
+        (0.7, [True, False, True, False]),  # 0.4 + 0.3 = 0.7 exactly: complete
+        (0.71, [True, False, False, False]),
+        (1.0, [False, False, False, False]),
+        (0.01, [True, False, True, True]),  # the top token always survives
+    ],
+)
+def test_top_p_mask(p, dropped):
+    assert top_p_mask(LOGITS, p).tolist() == dropped
+
+
+def test_min_p_mask():
+    # threshold 0.45 * 0.4 = 0.18: 0.1 goes, 0.2 stays; 0.6 * 0.4 = 0.24: 0.2 goes too
+    assert min_p_mask(LOGITS, 0.45).tolist() == [True, False, False, False]
+    assert min_p_mask(LOGITS, 0.6).tolist() == [True, False, True, False]
+    assert min_p_mask(LOGITS, 1.0).tolist() == [True, False, True, True]
+
+
+def test_masks_work_on_batches():
+    batch = torch.stack([LOGITS, LOGITS.flip(0)])
+    assert top_k_mask(batch, 1).tolist() == [[True, False, True, True], [True, True, False, True]]
+
+
+def test_filters_compose_in_order():
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.5)
+    # top_k drops 0.1; renormalized 0.4/0.9, 0.3/0.9 reach 0.5 with two tokens
+    kept = filtered_logits(LOGITS, params).isfinite().tolist()
+    assert kept == [False, True, False, True]
+
+
+def empirical(params: SamplingParams, logits: torch.Tensor, n: int) -> torch.Tensor:
+    sampler = Sampler(params)
+    counts = torch.bincount(torch.tensor([sampler(logits) for _ in range(n)]), minlength=4)
+    return counts.float()
+
+
+def chi_square_ok(counts: torch.Tensor, expected_probs: torch.Tensor) -> bool:
+    """Pearson chi-square on the nonzero-probability cells, 99.9% critical value for df <= 3."""
+    keep = expected_probs > 0
+    n = counts.sum()
+    assert counts[~keep].sum() == 0, "sampled a token the filters removed"
+    expected = expected_probs[keep] * n
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    critical = {1: 10.83, 2: 13.82, 3: 16.27}[int(keep.sum()) - 1]
+    return stat < critical
+
+
+@pytest.mark.parametrize(
+    "params,expected",
+    [
+        (SamplingParams(temperature=1.0, seed=1), PROBS),
+        (SamplingParams(temperature=1.0, top_k=2, seed=2), torch.tensor([0, 4 / 7, 0, 3 / 7])),
+        (SamplingParams(temperature=1.0, top_p=0.85, seed=3), torch.tensor([0, 4, 2, 3]) / 9),
+        (SamplingParams(temperature=1.0, min_p=0.6, seed=4), torch.tensor([0, 4 / 7, 0, 3 / 7])),
+    ],
+)
+def test_sampled_distribution(params, expected):
+    assert chi_square_ok(empirical(params, LOGITS, 4000), expected)
+
+
+def test_temperature_reshapes_distribution():
+    t = 0.5
+    sharpened = PROBS ** (1 / t) / (PROBS ** (1 / t)).sum()
+    counts = empirical(SamplingParams(temperature=t, seed=5), LOGITS, 4000)
+    assert chi_square_ok(counts, sharpened)
+    assert not chi_square_ok(counts, PROBS)  # the test can tell the difference
+
+
+def test_greedy_is_argmax():
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    assert sampler(LOGITS) == 1
+
+
+def test_seed_makes_requests_reproducible():
+    torch.manual_seed(0)
+    model = TinyTransformer(ModelConfig()).eval()
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=1234)
+    a = generate(model, [1, 2, 3], params)
+    torch.manual_seed(999)  # the global RNG must not matter
+    b = generate(model, [1, 2, 3], params)
+    c = generate(model, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=20, seed=4321))
+    assert a == b
+    assert a != c
+    assert len(a) == 20
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": math.nan}, "temperature"),
+    ],
+)
+def test_invalid_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
