@@ -39,7 +39,23 @@ def run_phase2(state):
     return [mod.generate(model, p, params) for p in PROMPTS]
 
 
-RUNNERS = {"phase2_sampling": run_phase2}
+def run_phase3(state):
+    mod, model = build("phase3_kvcache", state)
+    params = mod.SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    return [mod.generate(model, p, params) for p in PROMPTS]
+
+
+def run_phase3_static_batch(state):
+    mod, model = build("phase3_kvcache", state)
+    params = mod.SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    return mod.generate_batch(model, PROMPTS, params).token_ids
+
+
+RUNNERS = {
+    "phase2_sampling": run_phase2,
+    "phase3_kvcache": run_phase3,
+    "phase3_kvcache/static_batch": run_phase3_static_batch,
+}
 
 
 @pytest.fixture(scope="module")
