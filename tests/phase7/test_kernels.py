@@ -1,0 +1,283 @@
+"""Phase 7 kernels against their pure-torch references (reference.py), and the references
+against torch's own SDPA.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small shapes in
+fp32/fp16: the interpreter gets bf16 tl.dot wrong, and it accepts tiles a GPU rejects, so the
+`gpu` tests below (bf16/fp16, head_dim 64/128, GQA 1/2/8, block sizes 16/256, contexts to 32k)
+are the ones that prove the kernels on hardware: `pytest -m gpu tests/phase7` on the H200.
+"""
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phase7_optim.kernels import (
+    PAD_SLOT_ID,
+    flash_attn_varlen_paged,
+    gather_kv,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    store_kvcache,
+    store_kvcache_ref,
+    varlen_paged_attention_ref,
+)
+from phase7_optim.kernels.flash_prefill import PrefillConfig
+from phase7_optim.kernels.paged_decode import MAX_SPLITS, choose_num_splits
+
+# Kernel vs fp32 reference. fp32: the interpreter's dot is exact fp32 (GPU fp32 would be tf32,
+# and is not tested there); fp16/bf16: P is rounded to the input dtype before P @ V.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+CPU = torch.device("cpu")
+# Triton runs CPU tensors only under its interpreter (what conftest.py turns on without CUDA)
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests need TRITON_INTERPRET=1"
+)
+CUDA = torch.device("cuda")
+
+
+def assert_allclose(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert torch.isfinite(actual).all(), "non-finite output (an unwritten or empty row?)"
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[actual.dtype])
+
+
+@dataclass
+class PagedBatch:
+    """A packed step: new queries after `context_lens` cached tokens, caches with random junk."""
+
+    q: torch.Tensor  # (T, H, D)
+    k_cache: torch.Tensor  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor  # int32 (num_seqs + 1,)
+    seq_lens: torch.Tensor  # int32 (num_seqs,)
+    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks_per_seq)
+    max_query_len: int
+    scale: float
+
+
+def make_paged_batch(
+    q_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0
+) -> PagedBatch:
+    torch.manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(q_lens, context_lens, strict=True)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1  # one spare column: it must never be read
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold junk the kernels must not see
+    perm = torch.randperm(num_blocks).int()
+    # unused table entries point at real (junk) blocks, so a read past seq_len shows up
+    block_tables = perm[torch.randint(0, num_blocks, (len(q_lens), max_blocks))]
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = perm[start : start + n]
+        start += n
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return PagedBatch(
+        q=torch.randn(sum(q_lens), num_heads, head_dim).to(device, dtype),
+        k_cache=torch.randn(cache_shape).to(device, dtype),
+        v_cache=torch.randn(cache_shape).to(device, dtype),
+        query_start_loc=torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).int().to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=max(q_lens),
+        scale=head_dim**-0.5,
+    )
+
+
+def check_prefill(batch: PagedBatch, config: PrefillConfig | None = None) -> None:
+    b = batch
+    args = (b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables)
+    out = flash_attn_varlen_paged(*args, b.max_query_len, b.scale, config=config)
+    assert_allclose(out, varlen_paged_attention_ref(*args, b.scale))
+
+
+def check_decode(batch: PagedBatch, num_splits: int | None) -> None:
+    b = batch
+    args = (b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, b.scale)
+    out = paged_decode_attention(*args, num_splits=num_splits)
+    assert_allclose(out, paged_decode_attention_ref(*args))
+
+
+# ---- the references are what they claim to be -------------------------------------------------
+
+
+def test_reference_matches_sdpa_on_contiguous_prefill():
+    b = make_paged_batch([5, 23, 11], [0, 0, 0], 4, 2, 16, 4, torch.float32, CPU)
+    out = varlen_paged_attention_ref(
+        b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.scale
+    )
+    starts = b.query_start_loc.tolist()
+    for i, seq_len in enumerate(b.seq_lens.tolist()):
+        k = gather_kv(b.k_cache, b.block_tables[i], seq_len).repeat_interleave(2, dim=1)
+        v = gather_kv(b.v_cache, b.block_tables[i], seq_len).repeat_interleave(2, dim=1)
+        q = b.q[starts[i] : starts[i + 1]]
+        expected = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- CPU: Triton interpreter, small shapes ------------------------------------------------------
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kvcache_matches_reference_and_skips_padding(dtype):
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 3, 16  # 3 KV heads: a masked lane
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    slot_mapping = torch.tensor([5, PAD_SLOT_ID, 0, 23, PAD_SLOT_ID, 9], dtype=torch.int64)
+    k = torch.randn(len(slot_mapping), num_kv_heads, head_dim).to(dtype)
+    v = torch.randn_like(k)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(k, v, k_ref, v_ref, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # a copy is exact
+
+
+PREFILL_CASES = {
+    # name: (q_lens, context_lens); block size 16 divides none of the lengths
+    "ragged": ([1, 19, 40], [0, 0, 0]),
+    "chunked": ([16, 9, 30], [32, 45, 7]),  # earlier chunks / prefix-cache hits already cached
+}
+
+
+@interpreter
+@pytest.mark.parametrize("case", PREFILL_CASES)
+@pytest.mark.parametrize(
+    "dtype, num_heads, num_kv_heads, head_dim",
+    [
+        (torch.float32, 2, 2, 64),  # MHA
+        (torch.float32, 4, 2, 64),  # GQA 2
+        (torch.float16, 4, 1, 32),  # GQA 4 (MQA)
+        (torch.float16, 2, 1, 128),
+    ],
+)
+def test_flash_prefill_matches_reference(case, dtype, num_heads, num_kv_heads, head_dim):
+    q_lens, context_lens = PREFILL_CASES[case]
+    batch = make_paged_batch(
+        q_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype, CPU
+    )
+    check_prefill(batch)
+
+
+@interpreter
+@pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 32)])
+def test_flash_prefill_uneven_tiles(block_m, block_n):
+    """The causal band logic must hold when query and key tiles differ in size."""
+    batch = make_paged_batch([37, 8], [21, 0], 2, 1, 32, 8, torch.float32, CPU)
+    check_prefill(batch, PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1))
+
+
+@interpreter
+def test_chunked_prefill_through_the_cache_equals_one_shot_prefill():
+    """store_kvcache + flash prefill in two chunks gives the rows of a single whole prefill."""
+    torch.manual_seed(0)
+    seq_len, chunk, num_heads, num_kv_heads, head_dim, block_size = 45, 28, 4, 2, 32, 16
+    q = torch.randn(seq_len, num_heads, head_dim)
+    k = torch.randn(seq_len, num_kv_heads, head_dim)
+    v = torch.randn(seq_len, num_kv_heads, head_dim)
+    k_cache = torch.zeros(5, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    block_table = torch.tensor([[3, 0, 4]], dtype=torch.int32)
+    positions = torch.arange(seq_len)
+    slots = (block_table[0, positions // block_size] * block_size + positions % block_size).long()
+
+    def prefill(lo, hi):  # one step: store positions lo..hi-1, attend with them as new tokens
+        store_kvcache(k[lo:hi], v[lo:hi], k_cache, v_cache, slots[lo:hi])
+        query_start_loc = torch.tensor([0, hi - lo], dtype=torch.int32)
+        seq_lens = torch.tensor([hi], dtype=torch.int32)
+        return flash_attn_varlen_paged(
+            q[lo:hi], k_cache, v_cache, query_start_loc, seq_lens, block_table, hi - lo, 0.2
+        )
+
+    chunked = torch.cat([prefill(0, chunk), prefill(chunk, seq_len)])
+    whole = prefill(0, seq_len)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "dtype, num_heads, num_kv_heads", [(torch.float32, 2, 2), (torch.float16, 8, 1)]
+)
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])  # 8: splits past short sequences' end
+def test_paged_decode_split_k_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
+    context_lens = [0, 36, 99, 200]  # seq_lens 1, 37, 100, 201
+    batch = make_paged_batch([1] * 4, context_lens, num_heads, num_kv_heads, 32, 16, dtype, CPU)
+    check_decode(batch, num_splits)
+
+
+def test_choose_num_splits_fills_the_gpu_without_tiny_splits():
+    assert choose_num_splits(256, 8, 2048, num_sms=132) == 1  # the batch alone fills the SMs
+    assert choose_num_splits(1, 8, 32768, num_sms=132) == 33  # one long sequence: split
+    assert choose_num_splits(1, 8, 300, num_sms=132) == 2  # … but never below 256 tokens a split
+    assert choose_num_splits(1, 1, 1 << 20, num_sms=132) == MAX_SPLITS
+
+
+# ---- GPU: the H200 -----------------------------------------------------------------------------
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+GPU_SHAPES = [(h_kv * g, h_kv, d) for d in (64, 128) for g, h_kv in ((1, 4), (2, 4), (8, 2))]
+
+
+@pytest.mark.gpu
+def test_gpu_store_kvcache():
+    k_cache = torch.randn(40, 16, 8, 128, device=CUDA, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    slot_mapping = torch.randperm(40 * 16, device=CUDA)[:300]
+    slot_mapping[::7] = PAD_SLOT_ID
+    k = torch.randn(300, 8, 128, device=CUDA, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(k, v, k_ref, v_ref, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_flash_prefill(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    q_lens, context_lens = [1, 100, 333, 700, 1030], [0, 517, 0, 1200, 17]
+    batch = make_paged_batch(
+        q_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, CUDA
+    )
+    check_prefill(batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_flash_prefill_long_context(block_size):
+    """A 512-token chunk at the end of a 32k context, beside a whole 8k prompt."""
+    q_lens, context_lens = [512, 8192, 3], [32768 - 512, 0, 20000]
+    batch = make_paged_batch(q_lens, context_lens, 16, 8, 128, block_size, torch.bfloat16, CUDA)
+    check_prefill(batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_paged_decode(dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    context_lens = [0, 15, 16, 255, 1000, 2047, 4999]
+    batch = make_paged_batch(
+        [1] * 7, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, CUDA
+    )
+    check_decode(batch, num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 64])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_paged_decode_32k(block_size, num_splits):
+    context_lens = [32767, 20000, 0, 512]
+    batch = make_paged_batch([1] * 4, context_lens, 16, 8, 128, block_size, torch.bfloat16, CUDA)
+    check_decode(batch, num_splits)
