@@ -56,7 +56,9 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if head_dim <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    # H200 sweep at 4k tokens (benchmarks/results/phase7_kernels.json): best of 7 for both block
+    # sizes, 355 TFLOP/s with block size 256
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import triton.language as tl
 
 LOG2_E = 1.4426950408889634
 MIN_BLOCK_H = 16  # tl.dot's smallest M on a GPU
-PROGRAMS_PER_SM = 2  # how many programs the split heuristic aims at per SM
+PROGRAMS_PER_SM = 4  # how many programs the split heuristic aims at per SM
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's partial-output traffic stops paying off
 MAX_SPLITS = 64
 INTERPRETER_NUM_SMS = 4  # what the heuristic assumes when there is no GPU to ask
