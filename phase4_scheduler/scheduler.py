@@ -65,6 +65,8 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older sequence
             num_new = self._num_new_tokens(seq, budget)
             if num_new == 0:
                 continue
