@@ -1,0 +1,213 @@
+"""The engine: requests in, tokens out, one scheduler step at a time.
+
+Problem: phase 3 could only run a fixed batch from start to finish. A server receives requests
+at any time and must return each one as soon as it is done.
+Idea (vLLM's LLMEngine): `add_request` queues a sequence; every `step()` asks the scheduler what to
+run, runs it through the model runner, appends the sampled tokens, and retires sequences that hit
+EOS, a stop token or max_tokens, freeing their KV slots for the next waiting request at once.
+`LLM.generate` is the offline loop around it: add everything, step until done.
+
+Invariant: after every step, `scheduler.check_invariants()` holds (tests call it each step).
+
+Phase 5: the engine owns a `BlockManager` instead of a slot allocator, and registers blocks that a
+step filled with computed tokens in the prefix cache.
+"""
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model import TinyTransformer
+from .model_runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import FinishReason, Sequence
+from .tokenizer import BPETokenizer
+from .trace import StepTrace
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort"; None while running
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: TinyTransformer,
+        config: EngineConfig | None = None,
+        tokenizer: BPETokenizer | None = None,
+        eos_token_id: int | None = None,
+        trace: StepTrace | None = None,
+    ):
+        self.config = config or EngineConfig()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.trace = trace
+        self.block_manager = BlockManager(
+            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, self.config, self.block_manager)
+        self.requests: dict[str, tuple[Sequence, str | None]] = {}  # id -> (sequence, prompt)
+        self._seq_ids = itertools.count()
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        prompt_ids = self._tokenize(prompt)
+        max_len = len(prompt_ids) + params.max_tokens
+        if max_len > self.model.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context ({self.model.config.max_position_embeddings})"
+            )
+        if max_len > self.config.num_kv_slots:
+            raise ValueError(
+                f"prompt + max_tokens ({max_len}) can never fit in the KV cache "
+                f"({self.config.num_kv_slots} slots)"
+            )
+        if not self.config.enable_chunked_prefill and max_len > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill, prompt + max_tokens ({max_len}) must fit in one step's "
+                f"token budget (max_num_batched_tokens={self.config.max_num_batched_tokens})"
+            )
+        seq_id = next(self._seq_ids)
+        request_id = request_id if request_id is not None else str(seq_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(seq_id, request_id, prompt_ids, params)
+        self.requests[request_id] = (seq, prompt if isinstance(prompt, str) else None)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt = self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        return list(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request and frees its KV slots; unknown or finished ids are ignored."""
+        if request_id not in self.requests:
+            return
+        seq, _ = self.requests.pop(request_id)
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.runner.release(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step; returns the requests that got a token or finished."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        tokens = self.runner.run(out.scheduled)
+        updated, finished = [], []
+        for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            updated.append(seq)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.runner.release(seq)
+                finished.append(seq)
+        if self.trace is not None:
+            self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
+        outputs = [self._output(seq) for seq in updated]
+        for seq in finished:
+            del self.requests[seq.request_id]  # delivered: the engine forgets it
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        _, prompt = self.requests[seq.request_id]
+        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
+        reason = seq.finish_reason.value if seq.finish_reason else None
+        completion = CompletionOutput(0, text, seq.output_token_ids, reason)
+        return RequestOutput(
+            seq.request_id, prompt, seq.prompt_token_ids, [completion], seq.is_finished
+        )
+
+
+class LLM:
+    """Offline batch inference: `LLM(model).generate(prompts, params)`, vLLM's shape."""
+
+    def __init__(
+        self,
+        model: TinyTransformer,
+        tokenizer: BPETokenizer | None = None,
+        eos_token_id: int | None = None,
+        trace: StepTrace | None = None,
+        **engine_kwargs,
+    ):
+        config = EngineConfig(**engine_kwargs)
+        self.engine = LLMEngine(model, config, tokenizer, eos_token_id, trace)
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(p, sp))
+        except ValueError:
+            for i in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
+                self.engine.abort_request(i)
+            raise
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
