@@ -51,7 +51,7 @@ class DecodeConfig:
 
 def default_decode_config(device: torch.device) -> DecodeConfig:
     if device.type != "cuda":
-        return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 
 

@@ -208,7 +208,7 @@ def test_chunked_prefill_through_the_cache_equals_one_shot_prefill():
 )
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])  # 8: splits past short sequences' end
 def test_paged_decode_split_k_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
-    context_lens = [0, 36, 99, 200]  # seq_lens 1, 37, 100, 201
+    context_lens = [0, 36, 99, 150]  # seq_lens 1, 37, 100, 151
     batch = make_paged_batch([1] * 4, context_lens, num_heads, num_kv_heads, 32, 16, dtype, CPU)
     check_decode(batch, num_splits)
 
