@@ -51,10 +51,29 @@ def run_phase3_static_batch(state):
     return mod.generate_batch(model, PROMPTS, params).token_ids
 
 
+def run_phase4(state, **engine_kwargs):
+    mod, model = build("phase4_scheduler", state)
+    params = mod.SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    outputs = mod.LLM(model, **engine_kwargs).generate(PROMPTS, params, use_tqdm=False)
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def run_phase4_tiny_chunks(state):
+    return run_phase4(state, max_num_batched_tokens=3)  # every prompt is prefilled in chunks
+
+
+def run_phase4_heavy_preemption(state):
+    # KV cache just large enough for the longest request alone: the others are preempted.
+    return run_phase4(state, num_kv_slots=max(len(p) for p in PROMPTS) + MAX_NEW)
+
+
 RUNNERS = {
     "phase2_sampling": run_phase2,
     "phase3_kvcache": run_phase3,
     "phase3_kvcache/static_batch": run_phase3_static_batch,
+    "phase4_scheduler": run_phase4,
+    "phase4_scheduler/tiny_chunks": run_phase4_tiny_chunks,
+    "phase4_scheduler/heavy_preemption": run_phase4_heavy_preemption,
 }
 
 
