@@ -128,9 +128,9 @@ class LLMEngine:
         """Runs one scheduler step; returns the requests that got a token or finished."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        tokens = self.runner.run(out.scheduled)
+        # A step may run nothing (a lone sequence preempted itself to restart in a roomier region);
+        # the trace still records it.
+        tokens = self.runner.run(out.scheduled) if out.scheduled else []
         updated, finished = [], []
         for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):
             seq.num_computed_tokens += num_new
