@@ -128,8 +128,8 @@ class LLMEngine:
         """Runs one scheduler step; returns the requests that got a token or finished."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        # A step may run nothing (a lone sequence preempted itself to restart in a roomier region);
-        # the trace still records it.
+        # A step may run nothing (every running sequence was preempted); the trace still records
+        # it.
         tokens = self.runner.run(out.scheduled) if out.scheduled else []
         updated, finished = [], []
         for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):
