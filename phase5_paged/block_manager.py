@@ -130,20 +130,25 @@ class BlockManager:
             block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Registers the hashes of `seq`'s blocks that became full of computed tokens."""
+        """Registers the hashes of `seq`'s blocks that became full of computed tokens, in order.
+        A block is registered only under its own table's previous block, itself registered: if
+        that hash is already taken (an identical block cached by another sequence, or a
+        collision), this block and every later one stay private to `seq`."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables[seq.seq_id]
         done = self.num_cached_blocks[seq.seq_id]
-        parent = self.blocks[table[done - 1]].block_hash if done else None
         for i in range(done, seq.num_computed_tokens // self.block_size):
+            parent = self.blocks[table[i - 1]].block_hash if i else None
+            if i and parent is None:
+                break  # the previous block is private: no verifiable chain runs through it
             block = self.blocks[table[i]]
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             block_hash = chain_hash(parent, tokens)
-            if block_hash not in self.hash_to_block:  # else an identical block is already cached
-                block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
-                self.hash_to_block[block_hash] = block.block_id
-            parent = block_hash
+            if block_hash in self.hash_to_block:
+                break
+            block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
+            self.hash_to_block[block_hash] = block.block_id
         self.num_cached_blocks[seq.seq_id] = max(done, seq.num_computed_tokens // self.block_size)
 
     def free(self, seq: Sequence) -> None:
@@ -187,4 +192,6 @@ class BlockManager:
             block = self.blocks[block_id]
             assert block.block_hash == block_hash
             assert chain_hash(block.parent_hash, block.token_ids) == block_hash
+            # A child is freed before its parent, so it is evicted first: no orphan in the cache.
+            assert block.parent_hash is None or block.parent_hash in self.hash_to_block, block
             assert len(block.token_ids) == self.block_size
