@@ -39,13 +39,20 @@ def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids)
 
 
-def greedy(model: torch.nn.Module, input_ids: torch.Tensor, num_tokens: int) -> list[int]:
-    """Greedy continuation of one prompt (1, T), recomputing the whole sequence each step."""
-    ids = input_ids
-    for _ in range(num_tokens):
-        next_id = logits_of(model, ids)[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, next_id], dim=1)
-    return ids[0, input_ids.shape[1] :].tolist()
+def assert_greedy_matches(
+    model: torch.nn.Module, sequence: torch.Tensor, prompt_len: int, atol: float
+) -> None:
+    """`sequence` (1, T) is a prompt plus the oracle's greedy continuation. Our greedy loop yields
+    the same tokens iff our argmax at every continuation position is the next token; position t
+    sees tokens 0..t only, so one teacher-forced forward checks the whole loop.
+
+    Near-ties make argmax fragile, so the winning margin must exceed what the logits may differ by.
+    """
+    logits = logits_of(model, sequence)[0, prompt_len - 1 : -1]  # (T - prompt_len, V)
+    top2 = logits.topk(2, dim=-1)
+    assert top2.indices[:, 0].tolist() == sequence[0, prompt_len:].tolist()
+    margin = (top2.values[:, 0] - top2.values[:, 1]).min().item()
+    assert margin > 2 * atol, f"near-tie (margin {margin:.1e}): greedy agreement would be luck"
 
 
 def save_tiny_qwen3(directory: Path, tokenizer_dir: Path, tied: bool, **save_kwargs) -> Path:

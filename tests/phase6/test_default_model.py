@@ -13,10 +13,11 @@ import torch
 from phase6_qwen3 import default_model
 from phase6_qwen3.tokenizer import Tokenizer
 
-from .conftest import greedy, logits_of
+from .conftest import assert_greedy_matches, logits_of
 
 # 30 float32 layers; two implementations that order their sums differently drift this far.
 ATOL = 5e-4
+MAX_REPLY_TOKENS = 12
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -44,13 +45,10 @@ def test_logits_match_transformers(smollm2, smollm2_hf, chat_ids):
 
 
 def test_greedy_chat_reply_is_paris(smollm2, smollm2_hf, smollm2_dir, chat_ids):
-    tokenizer = Tokenizer.from_dir(smollm2_dir)
     with torch.inference_mode():
-        out = smollm2_hf.generate(chat_ids, max_new_tokens=12, do_sample=False)
-    expected = out[0, chat_ids.shape[1] :].tolist()
-    ours = greedy(smollm2.model, chat_ids, len(expected))
-    assert ours == expected
-    reply = tokenizer.decode(ours, skip_special_tokens=True)
+        out = smollm2_hf.generate(chat_ids, max_new_tokens=MAX_REPLY_TOKENS, do_sample=False)
+    assert_greedy_matches(smollm2.model, out, chat_ids.shape[1], ATOL)
+    reply = Tokenizer.from_dir(smollm2_dir).decode(out[0, chat_ids.shape[1] :].tolist())
     assert "Paris" in reply, reply  # SPEC: "The capital of France is Paris."
 
 

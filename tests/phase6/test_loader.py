@@ -77,10 +77,27 @@ def test_missing_shard(tmp_path, qwen3_tokenizer_dir):
 
 
 def test_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="mini-vllm/no-such-model"):
+    from huggingface_hub import constants
+
+    # Read by huggingface_hub at import time from HF_HUB_OFFLINE / HF_HUB_CACHE; patched here so
+    # the test never touches the network or the user's cache.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="mini-vllm/no-such-model.*offline mode: True"):
         load_model("mini-vllm/no-such-model")
+
+
+def test_hub_id_found_in_the_cache(monkeypatch, tmp_path, tiny_qwen3_tied_dir):
+    """An id already in the hub cache loads offline, like `LLM("Qwen/Qwen3-0.6B")` on a plane."""
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_qwen3_tied_dir, snapshot)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert load_model("org/tiny").model_dir == snapshot
 
 
 def test_dtype_auto_is_float32_on_cpu():

@@ -4,6 +4,9 @@ Oracles: transformers' AutoTokenizer on the same files (ids, `apply_chat_templat
 tokenizer's own full `decode` for the incremental detokenizer.
 """
 
+import functools
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -44,13 +47,18 @@ QWEN3_ONLY = [
 TEXTS = ["Hello, world!", "你好世界", "In 2024, 12345 people a1b2", "  spaces\n\n\ttabs 😀 é"]
 
 
+@functools.cache
+def hf_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
 @pytest.fixture(scope="module", params=["qwen3", "smollm2"])
 def tokenizers(request, tiny_qwen3_tied_dir, smollm2_dir):
     """(ours, transformers') for one checkpoint directory, and its name."""
-    from transformers import AutoTokenizer
-
     directory = tiny_qwen3_tied_dir if request.param == "qwen3" else smollm2_dir
-    return Tokenizer.from_dir(directory), AutoTokenizer.from_pretrained(directory), request.param
+    return Tokenizer.from_dir(directory), hf_tokenizer(directory), request.param
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +89,7 @@ def test_chat_template_matches_transformers(tokenizers, add_generation_prompt):
 
 
 def test_chat_template_kwargs_reach_the_template(qwen3, tiny_qwen3_tied_dir):
-    from transformers import AutoTokenizer
-
-    theirs = AutoTokenizer.from_pretrained(tiny_qwen3_tied_dir)
+    theirs = hf_tokenizer(tiny_qwen3_tied_dir)
     messages = CONVERSATIONS[0]
     prompt = qwen3.apply_chat_template(messages, enable_thinking=False)
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
