@@ -86,6 +86,7 @@ class Tokenizer:
         self,
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
         """The prompt text for a conversation, as transformers renders it (`tokenize=False`).
@@ -97,7 +98,7 @@ class Tokenizer:
         chat = [_normalize_message(m) for m in messages]
         return _compile_template(self.chat_template).render(
             messages=chat,
-            tools=None,
+            tools=tools,  # JSON schemas, as in the OpenAI API
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens, **template_kwargs},

@@ -97,6 +97,14 @@ def test_chat_template_kwargs_reach_the_template(qwen3, tiny_qwen3_tied_dir):
     assert prompt == theirs.apply_chat_template(messages, **kwargs)
 
 
+def test_chat_template_with_tools_matches_transformers(qwen3, tiny_qwen3_tied_dir):
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    expected = hf_tokenizer(tiny_qwen3_tied_dir).apply_chat_template(
+        CONVERSATIONS[1], tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert qwen3.apply_chat_template(CONVERSATIONS[1], tools=tools) == expected
+
+
 def test_default_system_prompt_of_smollm2(smollm2_dir):
     prompt = Tokenizer.from_dir(smollm2_dir).apply_chat_template(CONVERSATIONS[0])
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
