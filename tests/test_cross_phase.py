@@ -67,6 +67,34 @@ def run_phase4_heavy_preemption(state):
     return run_phase4(state, num_kv_slots=max(len(p) for p in PROMPTS) + MAX_NEW)
 
 
+def run_phase5(state, **engine_kwargs):
+    mod, model = build("phase5_paged", state)
+    params = mod.SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    # The prompts twice: the second copies hit the prefix cache filled by the first ones.
+    outputs = mod.LLM(model, **engine_kwargs).generate(PROMPTS * 2, params, use_tqdm=False)
+    token_ids = [out.outputs[0].token_ids for out in outputs]
+    assert token_ids[: len(PROMPTS)] == token_ids[len(PROMPTS) :]
+    return token_ids[: len(PROMPTS)]
+
+
+def run_phase5_block_size_1(state):
+    return run_phase5(state, block_size=1)
+
+
+def run_phase5_block_size_7_tiny_chunks(state):
+    return run_phase5(state, block_size=7, max_num_batched_tokens=3)  # 7 divides no prompt length
+
+
+def run_phase5_no_prefix_caching(state):
+    return run_phase5(state, enable_prefix_caching=False)
+
+
+def run_phase5_heavy_preemption(state):
+    # Blocks for the longest request alone: the others are preempted, shared blocks included.
+    longest = max(len(p) for p in PROMPTS) + MAX_NEW
+    return run_phase5(state, block_size=4, num_kv_blocks=-(-longest // 4))
+
+
 RUNNERS = {
     "phase2_sampling": run_phase2,
     "phase3_kvcache": run_phase3,
@@ -74,6 +102,11 @@ RUNNERS = {
     "phase4_scheduler": run_phase4,
     "phase4_scheduler/tiny_chunks": run_phase4_tiny_chunks,
     "phase4_scheduler/heavy_preemption": run_phase4_heavy_preemption,
+    "phase5_paged": run_phase5,
+    "phase5_paged/block_size_1": run_phase5_block_size_1,
+    "phase5_paged/block_size_7_tiny_chunks": run_phase5_block_size_7_tiny_chunks,
+    "phase5_paged/no_prefix_caching": run_phase5_no_prefix_caching,
+    "phase5_paged/heavy_preemption": run_phase5_heavy_preemption,
 }
 
 
