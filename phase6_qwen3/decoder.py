@@ -9,14 +9,15 @@ sub-block reads a normalized copy and adds its contribution. Names match Hugging
 import torch
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, ForwardBatch
+from .kv_cache import KVCache
 from .mlp import MLP
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(
@@ -25,12 +26,19 @@ class DecoderLayer(nn.Module):
             config.num_kv_heads,
             config.head_dim,
             rotary,
+            layer_idx,
             config.qk_norm,
             config.rms_norm_eps,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -15,7 +15,8 @@ The same class serves Llama-family checkpoints (SmolLM2, Llama 3 without RoPE sc
 
 Invariants:
 - `state_dict()` keys are exactly the checkpoint keys (plus `lm_head.weight` when tied);
-- `forward(input_ids)` returns logits for every position; position t depends on tokens 0..t only;
+- `forward(input_ids, positions, batch, kv_cache)` is phase 5's paged interface, unchanged: packed
+  new tokens in, logits of the tokens to sample out;
 - given `torch.manual_seed(s)` and `qk_norm=False`, the weights equal phase 0's TinyTransformer
   (same creation order), only under HF names.
 """
@@ -26,8 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import ForwardBatch
 from .decoder import DecoderLayer
 from .embedding import Embedding
+from .kv_cache import KVCache
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -129,14 +132,22 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, i) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: (B, T) -> hidden states (B, T, C)."""
-        x = self.embed_tokens(input_ids)  # (B, T, C)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """input_ids, positions: (N,) packed new tokens -> hidden states (N, C)."""
+        x = self.embed_tokens(input_ids)  # (N, C)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, positions, batch, kv_cache)
         return self.norm(x)
 
 
@@ -155,13 +166,14 @@ class Qwen3ForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: (B, T) -> logits (B, T, vocab_size)."""
-        T = input_ids.shape[1]
-        if T > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {T} exceeds max_position_embeddings "
-                f"({self.config.max_position_embeddings})"
-            )
-        positions = torch.arange(T, device=input_ids.device).expand_as(input_ids)
-        return self.lm_head(self.model(input_ids, positions))  # (B, T, V)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """input_ids, positions: (N,) packed new tokens -> logits (R, vocab_size): one row per
+        sequence that samples this step (its last new token; a mid-prompt chunk samples nothing)."""
+        hidden = self.model(input_ids, positions, batch, kv_cache)  # (N, C)
+        return self.lm_head(hidden[batch.logits_indices])  # (R, V)

@@ -1,7 +1,7 @@
 """Phase 6 fixtures: tiny random Qwen3 checkpoints written by transformers, and the default model.
 
 Every model forward in this suite goes through `logits_of`, the one place that knows the model's
-call signature (it changes when phase 6 takes over phase 5's paged interface).
+call signature (phase 5's paged interface).
 """
 
 import shutil
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from phase6_qwen3.attention import ForwardBatch
 from phase6_qwen3.default_model import default_model_dir
+from phase6_qwen3.kv_cache import KVCache
 from phase6_qwen3.loader import LoadedModel, load_model
 from tests import assets
 
@@ -34,9 +36,26 @@ SEED = 0
 
 
 def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """input_ids (B, T) -> logits (B, T, V) for every position."""
+    """input_ids (B, T) -> logits (B, T, V) for every position, through the engine's paged forward:
+    each row is one sequence prefilled whole into one block of T slots, and every token samples."""
+    B, T = input_ids.shape
+    c = model.config
+    dtype = model.lm_head.weight.dtype
+    kv_cache = KVCache(c.num_layers, B, T, c.num_kv_heads, c.head_dim, dtype, input_ids.device)
+    arange = lambda n: torch.arange(n, device=input_ids.device)  # noqa: E731
+    batch = ForwardBatch(
+        query_start_loc=arange(B + 1) * T,
+        seq_lens=torch.full((B,), T, device=input_ids.device),
+        slot_mapping=arange(B * T),  # row b's token t -> block b, offset t
+        block_tables=arange(B)[:, None],
+        logits_indices=arange(B * T),
+        max_query_len=T,
+        max_seq_len=T,
+        block_size=T,
+    )
+    positions = arange(T).repeat(B)
     with torch.inference_mode():
-        return model(input_ids)
+        return model(input_ids.flatten(), positions, batch, kv_cache).view(B, T, -1)
 
 
 def assert_greedy_matches(
