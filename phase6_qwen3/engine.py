@@ -157,7 +157,9 @@ class LLMEngine:
                 continue
             seq.token_ids.append(token)
             updated.append(seq)
-            reason = self._finish_reason(seq, token) or self._detokenize(seq, token)
+            reason = self._finish_reason(seq, token)
+            if reason is not FinishReason.STOP:  # a stop token's own text is never shown
+                reason = self._detokenize(seq, token) or reason  # the last token has text too
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.runner.release(seq)
