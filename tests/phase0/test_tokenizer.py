@@ -3,7 +3,6 @@ plus training on a small corpus, where the oracle is a brute-force pair count an
 reading the file our tokenizer saves."""
 
 import json
-import time
 import unicodedata
 from collections import Counter
 from itertools import pairwise
@@ -18,7 +17,6 @@ from phase0_basics import tokenizer as tokenizer_module
 from phase0_basics.tokenizer import QWEN_SPLIT_PATTERN, BPETokenizer
 
 # Loading 151k vocab entries and 151k merges; ~1.3 s on the 2-core dev machine.
-MAX_LOAD_SECONDS = 10.0
 
 CORPUS = [
     "Hello, world!",
@@ -57,15 +55,9 @@ def qwen3_files(qwen3_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def qwen3_load(qwen3_files):
-    start = time.perf_counter()
-    tok = BPETokenizer.from_file(qwen3_files)
-    return tok, time.perf_counter() - start
-
-
-@pytest.fixture(scope="session")
-def qwen3(qwen3_load):
-    return qwen3_load[0]
+def qwen3(qwen3_files):
+    # Load time is a benchmark number (benchmarks/tokenizer_speed.py), not a test assertion.
+    return BPETokenizer.from_file(qwen3_files)
 
 
 @pytest.fixture(scope="session")
@@ -76,10 +68,6 @@ def hf_qwen3(qwen3_files):
 @pytest.fixture(scope="session")
 def trained():
     return BPETokenizer.train(TRAIN_CORPUS, vocab_size=320, special_tokens=["<|end|>"])
-
-
-def test_qwen3_loads_in_reasonable_time(qwen3_load):
-    assert qwen3_load[1] < MAX_LOAD_SECONDS
 
 
 @pytest.mark.parametrize(
