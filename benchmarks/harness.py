@@ -53,7 +53,8 @@ def git_commit() -> str:
         )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # A copy without .git (e.g. the GPU box's working tree) can be told its commit.
+        return os.environ.get("MINI_VLLM_COMMIT", "unknown")
 
 
 def environment() -> dict:
