@@ -4,6 +4,7 @@ A number without its machine, versions, commit and baseline is not a result. Eve
 writes through `write_result`, which stamps all of that next to the measurements.
 """
 
+import argparse
 import datetime
 import json
 import os
@@ -17,6 +18,23 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).parent / "results"
+# Every CPU benchmark runs with the same torch thread count, recorded as `torch_threads` in its
+# JSON. 2 = the development machine's cores, what a learner gets; on the quiet machine 2 threads
+# were as fast as or faster than 1 for TinyTransformer (phase 0 forward at 400 tokens 14 vs 25 ms,
+# phase 4 continuous batching 375 vs 329 tok/s). Under heavy load from other jobs 1 thread can be
+# steadier: pass --threads 1, and say so next to the number.
+DEFAULT_THREADS = 2
+
+
+def add_thread_arg(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads"
+    )
+    return parser
+
+
+def set_threads(n: int = DEFAULT_THREADS) -> None:
+    torch.set_num_threads(n)
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,14 @@ Counts the parameters of the default TinyTransformer and times `forward` on one 
 several lengths (best of a few repeats, CPU or GPU). For scale it also counts the parameters of
 the same class built with Qwen3-0.6B's shapes on the `meta` device (no memory is allocated).
 Writes benchmarks/results/phase0_basics.json.
-Run: python -m benchmarks.phase0_basics
+Run: python -m benchmarks.phase0_basics [--threads 2]
 """
+
+import argparse
 
 import torch
 
-from benchmarks.harness import Timer, write_result
+from benchmarks.harness import Timer, add_thread_arg, set_threads, write_result
 from phase0_basics import ModelConfig, TinyTransformer
 
 SEQ_LENS = (16, 128, 1024)
@@ -46,6 +48,7 @@ def forward_ms(model: TinyTransformer, seq_len: int) -> float:
 
 
 def main():
+    set_threads(add_thread_arg(argparse.ArgumentParser()).parse_args().threads)
     torch.manual_seed(0)
     config = ModelConfig()
     model = TinyTransformer(config).eval()

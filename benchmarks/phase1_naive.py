@@ -2,7 +2,7 @@
 
 Generates 1000 tokens greedily from an 8-token prompt with TinyTransformer and records how long each
 step took. Writes benchmarks/results/phase1_naive.json and a PNG of time per token vs length.
-Run: python -m benchmarks.phase1_naive
+Run: python -m benchmarks.phase1_naive [--plot] [--threads 2]
 """
 
 import argparse
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from benchmarks.harness import RESULTS_DIR, write_result
+from benchmarks.harness import RESULTS_DIR, add_thread_arg, set_threads, write_result
 from phase1_naive import ModelConfig, TinyTransformer, iter_tokens
 
 PROMPT_LEN = 8
@@ -32,7 +32,8 @@ def measure(model: TinyTransformer) -> list[float]:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--plot", action="store_true", help="also write a PNG")
-    args = parser.parse_args()
+    args = add_thread_arg(parser).parse_args()
+    set_threads(args.threads)
     torch.manual_seed(0)
     config = ModelConfig(max_position_embeddings=PROMPT_LEN + NEW_TOKENS)
     model = TinyTransformer(config).eval()

@@ -6,15 +6,16 @@ same output (0 = never repeats, near 1 = stuck in a loop) and the fraction of di
 Overhead: the time `Sampler` takes to choose one token from a logits vector, greedy vs each
 filter, at TinyTransformer's vocabulary and at Qwen3's (151,936), next to one forward step.
 Writes benchmarks/results/phase2_sampling.json.
-Run: python -m benchmarks.phase2_sampling
+Run: python -m benchmarks.phase2_sampling [--threads 2]
 """
 
+import argparse
 import random
 import time
 
 import torch
 
-from benchmarks.harness import Timer, write_result
+from benchmarks.harness import Timer, add_thread_arg, set_threads, write_result
 from phase2_sampling import ModelConfig, Sampler, SamplingParams, TinyTransformer, generate
 
 SEED = 0
@@ -92,6 +93,7 @@ def forward_step_us(model: TinyTransformer, seq_len: int) -> float:
 
 
 def main():
+    set_threads(add_thread_arg(argparse.ArgumentParser()).parse_args().threads)
     torch.manual_seed(SEED)
     config = ModelConfig()
     model = TinyTransformer(config).eval()

@@ -5,7 +5,7 @@
 2. Static batching on a mixed workload (32 requests, prompts 16-256 tokens, outputs 8-256 tokens):
    throughput of one-at-a-time vs one static batch, and the fraction of computed token slots that
    were padding or rows already finished.
-Run: python -m benchmarks.phase3_kvcache [--plot]
+Run: python -m benchmarks.phase3_kvcache [--plot] [--threads 2]
 """
 
 import argparse
@@ -15,7 +15,14 @@ import torch
 
 import phase1_naive
 import phase3_kvcache
-from benchmarks.harness import RESULTS_DIR, Timer, seeded_workload, write_result
+from benchmarks.harness import (
+    RESULTS_DIR,
+    Timer,
+    add_thread_arg,
+    seeded_workload,
+    set_threads,
+    write_result,
+)
 
 PROMPT_LEN = 8
 NEW_TOKENS = 1000
@@ -82,7 +89,8 @@ def static_batching(model) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--plot", action="store_true", help="also write a PNG")
-    args = parser.parse_args()
+    args = add_thread_arg(parser).parse_args()
+    set_threads(args.threads)
     config_kwargs = {"max_position_embeddings": PROMPT_LEN + NEW_TOKENS}
     torch.manual_seed(0)
     state = phase1_naive.TinyTransformer(phase1_naive.ModelConfig(**config_kwargs)).state_dict()

@@ -8,7 +8,7 @@
    between two consecutive tokens of a decoding request, with and without chunked prefill.
 3. Step traces (Chrome trace JSON + PNG): the chunked-prefill run of 2, and a run whose KV cache
    holds only the longest request, so requests are preempted and recomputed.
-Run: python -m benchmarks.phase4_scheduler [--plot]
+Run: python -m benchmarks.phase4_scheduler [--plot] [--threads 2]
 """
 
 import argparse
@@ -19,7 +19,14 @@ import torch
 
 import phase3_kvcache
 import phase4_scheduler
-from benchmarks.harness import RESULTS_DIR, Timer, seeded_workload, write_result
+from benchmarks.harness import (
+    RESULTS_DIR,
+    Timer,
+    add_thread_arg,
+    seeded_workload,
+    set_threads,
+    write_result,
+)
 
 # Big enough that the forward pass, not Python, dominates a step; small enough for 2 CPU cores.
 MODEL = dict(
@@ -129,11 +136,9 @@ def preemption_trace(model) -> tuple[dict, phase4_scheduler.StepTrace]:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--plot", action="store_true", help="also write the PNGs")
-    args = parser.parse_args()
+    args = add_thread_arg(parser).parse_args()
     load_before = os.getloadavg()[0]
-    # One intra-op thread: these matmuls are small, and on a shared 2-core machine two threads
-    # spin against other processes (measured: ~4x slower per step under load).
-    torch.set_num_threads(1)
+    set_threads(args.threads)
     torch.manual_seed(0)
     model = phase4_scheduler.TinyTransformer(phase4_scheduler.ModelConfig(**MODEL)).eval()
     state = model.state_dict()

@@ -9,9 +9,10 @@
 (b) Prefix caching on a shared-system-prompt workload: 32 requests = one 256-token system prompt
     + a unique 8-32-token suffix, 32 output tokens each; hit rate, prompt tokens computed, wall
     time, output tok/s and mean time to first token, caching on vs off.
-Run: python -m benchmarks.phase5_paged   (writes results/phase5_paged.json and .png)
+Run: python -m benchmarks.phase5_paged [--threads 2]   (writes results/phase5_paged.json and .png)
 """
 
+import argparse
 import random
 import time
 
@@ -19,7 +20,13 @@ import torch
 
 import phase4_scheduler as p4
 import phase5_paged as p5
-from benchmarks.harness import RESULTS_DIR, seeded_workload, write_result
+from benchmarks.harness import (
+    RESULTS_DIR,
+    add_thread_arg,
+    seeded_workload,
+    set_threads,
+    write_result,
+)
 
 MODEL = {
     "vocab_size": 2048,
@@ -201,7 +208,7 @@ def plot(util: dict, prefix: dict) -> None:
 
 
 def main():
-    torch.set_num_threads(1)  # tiny matmuls: one thread is faster and steadier on a shared CPU
+    set_threads(add_thread_arg(argparse.ArgumentParser()).parse_args().threads)
     torch.manual_seed(0)
     state = p4.TinyTransformer(p4.ModelConfig(**MODEL)).state_dict()
     util = utilization(state)

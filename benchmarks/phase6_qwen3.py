@@ -13,7 +13,7 @@ in the same run:
 3. Paged prefix cache on real prompts: N chats share one long system prompt (~400 tokens) and
    ask short unique questions. They arrive one after another (each runs alone); time to first
    token is measured by stepping the LLMEngine, with prefix caching on and off. Plus the hit rate.
-Run: python -m benchmarks.phase6_qwen3 [--threads 1]
+Run: python -m benchmarks.phase6_qwen3 [--threads 2]
 """
 
 import argparse
@@ -24,7 +24,7 @@ import time
 import torch
 
 import phase6_qwen3
-from benchmarks.harness import Timer, seeded_workload, write_result
+from benchmarks.harness import Timer, add_thread_arg, seeded_workload, set_threads, write_result
 
 SINGLE_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SINGLE_TOKENS = 64
@@ -177,12 +177,8 @@ def prefix_cache(model_dir) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
-    args = parser.parse_args()
-    # One thread by default: on a shared 2-core machine two OpenMP threads wait on each other
-    # (measured here: transformers' SmolLM2 decode 170 ms/token with 1 thread, 600 with 2).
-    torch.set_num_threads(args.threads)
+    args = add_thread_arg(argparse.ArgumentParser()).parse_args()
+    set_threads(args.threads)  # for both sides
     from transformers import AutoModelForCausalLM
 
     from phase6_qwen3.default_model import default_model_dir
