@@ -39,6 +39,14 @@ def test_every_file_opens_with_a_docstring(phase):
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
 
 
+@pytest.mark.parametrize("phase", PHASES)
+def test_every_phase_has_a_readme_with_the_lesson(phase):
+    """Problem, solution, analogy, how to run, what to diff (SPEC.md, rules of the layout)."""
+    readme = (ROOT / phase / "README.md").read_text().lower()
+    for topic in ("problem", "analogy", "run", "diff"):
+        assert topic in readme, f"{phase}/README.md never mentions the {topic}"
+
+
 def test_importing_a_phase_only_defines_things():
     """No output, no files written, no global RNG consumed: import has no side effects."""
     code = (
