@@ -1,0 +1,137 @@
+"""Multi-head causal self-attention with grouped key/value heads (GQA), over a flattened batch.
+
+Problem: a token's meaning depends on the tokens before it ("bank" after "river" vs "money").
+Idea: every token emits a query, a key and a value; it takes a softmax-weighted average of the
+values of earlier tokens, weighted by how well its query matches their keys. Several heads do this
+in parallel on slices of the hidden vector. Grouped-query attention (Ainslie et al., 2023) lets
+`num_heads / num_kv_heads` query heads share one key/value head: less memory for keys and values,
+which is what an inference engine spends its memory on (phases 3-5).
+
+Invariant: token t attends to tokens 0..t only (causal); the result for token t never depends on
+tokens after it, which is what makes caching keys and values (phase 3) exact.
+
+Phase 4: no more padded (B, T) batches. One step runs the new tokens of many sequences packed
+into one (N,) vector (some sequences prefill a chunk, most decode one token). A `ForwardBatch`
+says where each sequence's tokens start, how long its context is, and which cache slots hold it;
+attention writes the new keys/values through `slot_mapping`, then each query reads its own
+sequence's context from the shared slot pool.
+
+Phase 5: the pool is cut into blocks, and a sequence's context is found through its block table
+instead of one contiguous region: position p lives in block block_table[p // block_size] at offset
+p % block_size. `context_attention` is the paged attention reference that phase 7's kernels are
+checked against.
+
+Phase 6 (real checkpoints): Qwen3 RMS-normalizes every head's query and key (`q_norm`, `k_norm`,
+one gain vector of size head_dim shared by all heads) before RoPE, which keeps attention logits
+from growing with depth. Llama-family models have no such norm; for them the two modules are
+`nn.Identity`, so their state dict has no q_norm/k_norm keys and checkpoints load name for name.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .kv_cache import KVCache
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward step needs to know about the packed sequences (S of them, N new
+    tokens in all). Built by the model runner; read by attention and the LM head."""
+
+    query_start_loc: torch.Tensor  # (S + 1,) int: sequence i's new tokens are [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # (S,) int: context length after this step (computed + new tokens)
+    slot_mapping: torch.Tensor  # (N,) int: the cache slot each new token's key/value goes to
+    block_tables: torch.Tensor  # (S, max_blocks) int: physical block of each logical block
+    logits_indices: torch.Tensor  # (R,) int: last new token of each sequence that samples
+    max_query_len: int  # host-side maxima: shapes without a device sync
+    max_seq_len: int
+    block_size: int
+
+
+def context_slots(batch: ForwardBatch) -> torch.Tensor:
+    """(S, L) cache slot of every context position, L = max_seq_len (padding slots clamp to 0)."""
+    positions = torch.arange(batch.max_seq_len, device=batch.seq_lens.device)
+    blocks = batch.block_tables[:, positions // batch.block_size]  # (S, L): the page-table walk
+    slots = blocks * batch.block_size + positions[None, :] % batch.block_size
+    return torch.where(positions[None, :] < batch.seq_lens[:, None], slots, 0)
+
+
+def context_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+) -> torch.Tensor:
+    """Readable reference. q: (N, H, D); caches: (num_blocks, block_size, H_kv, D) -> (N, H, D).
+
+    Gathers each sequence's context into a padded (S, L) batch and pads its queries to
+    (S, max_query_len): memory O(S * L), fine for teaching; phase 7 replaces it with kernels.
+    """
+    S, Q, L = batch.seq_lens.shape[0], batch.max_query_len, batch.max_seq_len
+    q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    token_seq = torch.repeat_interleave(torch.arange(S, device=q.device), q_lens)  # (N,)
+    token_col = torch.arange(q.shape[0], device=q.device) - batch.query_start_loc[token_seq]
+    q_pad = q.new_zeros(S, Q, *q.shape[1:])
+    q_pad[token_seq, token_col] = q
+    slots = context_slots(batch)
+    k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # (S, H_kv, L, D)
+    v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # each KV head serves `group` query heads
+    v = v.repeat_interleave(group, dim=1)
+    scores = (q_pad.transpose(1, 2) @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (S,H,Q,L)
+    # New tokens are the last q_len of their sequence: column j sits at position
+    # seq_len - q_len + j, and sees keys at positions <= its own.
+    query_pos = (batch.seq_lens - q_lens)[:, None] + torch.arange(Q, device=q.device)[None, :]
+    key_pos = torch.arange(L, device=q.device)
+    hidden = key_pos[None, None, :] > query_pos[:, :, None]  # (S, Q, L)
+    scores = scores.masked_fill(hidden[:, None], float("-inf"))
+    out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v  # (S, H, Q, D)
+    return out.transpose(1, 2)[token_seq, token_col]
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        layer_idx: int,
+        qk_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else nn.Identity()
+        self.rotary = rotary
+        self.layer_idx = layer_idx  # which of the cache's layers this module reads and writes
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        N = x.shape[0]
+        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE (Qwen3)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        kv_cache.store(self.layer_idx, k, v, batch.slot_mapping)
+        out = context_attention(q, kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx], batch)
+        return self.o_proj(out.reshape(N, -1))

@@ -1,0 +1,33 @@
+"""Triton attention kernels for the paged KV cache, and the pure-torch references they match.
+
+- `store_kvcache`: write this step's new K/V into the paged cache through `slot_mapping`.
+- `flash_attn_varlen_paged`: causal prefill of many packed sequences (FlashAttention-2), reading
+  K/V through block tables, so a chunked or prefix-cached prefill sees its earlier context.
+- `paged_decode_attention`: one query token per sequence, split-K over long contexts.
+
+Cache layout (phase 5): per layer, K and V caches of shape
+`[num_blocks, block_size, num_kv_heads, head_dim]`; logical position p of a sequence lives at slot
+`block_table[p // block_size] * block_size + p % block_size`. Importing defines things only; Triton
+compiles each kernel on its first call.
+"""
+
+from .flash_prefill import flash_attn_varlen_paged
+from .kv_store import PAD_SLOT_ID, store_kvcache
+from .paged_decode import paged_decode_attention
+from .reference import (
+    gather_kv,
+    paged_decode_attention_ref,
+    store_kvcache_ref,
+    varlen_paged_attention_ref,
+)
+
+__all__ = [
+    "PAD_SLOT_ID",
+    "flash_attn_varlen_paged",
+    "gather_kv",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "store_kvcache",
+    "store_kvcache_ref",
+    "varlen_paged_attention_ref",
+]

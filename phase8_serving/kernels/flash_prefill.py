@@ -1,0 +1,236 @@
+"""Varlen causal prefill attention over the paged KV cache (FlashAttention-2 in Triton).
+
+Problem: a prefill step packs the new tokens of many sequences into one `[T, H, D]` batch with
+no padding. Sequence i brings q_len_i new queries that sit at the END of its context of seq_len_i
+tokens: the first seq_len_i - q_len_i keys were cached by an earlier chunk or shared through the
+prefix cache, and live scattered over the paged cache. The torch reference (reference.py) gathers
+the context contiguous, repeats K/V per query head and materializes an fp32 `[H, Q, N]` score
+matrix: many times the bytes of Q, K and V, and a Python loop over sequences.
+
+Idea (Dao 2023, FlashAttention-2; Triton's fused-attention tutorial): one program owns BLOCK_M
+query rows of one head of one sequence, keeps them in registers, and streams that sequence's keys
+and values in BLOCK_N tiles straight from the paged cache (a block-table lookup per key row),
+with the online softmax: a running row max m_i, row sum l_i and unnormalized output acc, all fp32,
+rescaled by exp2(m_old - m_new) whenever the max grows. The score matrix never leaves the chip;
+HBM sees Q once, the output once and K/V once per query tile.
+
+The key range of a tile splits in two, as in the tutorial: keys every row of the tile may see
+(no mask), then the diagonal band where the causal mask `key_pos <= query_pos` applies. Both are
+the same `_attn_tiles` loop; the mask is a compile-time flag.
+
+Invariants:
+- query row m of sequence i has position seq_len_i - q_len_i + m and sees keys 0 … that position;
+  key 0 is visible to every row, so no row's softmax is empty (no NaN).
+- GQA: query head h reads KV head h // QUERY_GROUP_SIZE.
+- block_tables[i] covers positions 0 … seq_len_i - 1; K/V of this step are already in the cache
+  (store_kvcache ran first).
+- head_dim is a power of two (64 or 128 here); on a GPU, BLOCK_M and BLOCK_N are >= 16 (tl.dot).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the fast hardware path
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile sizes and launch parameters; `default_prefill_config` picks one per device."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for tile in (self.block_m, self.block_n):
+            if tile < 16 or tile != triton.next_power_of_2(tile):
+                raise ValueError(f"tiles must be powers of two >= 16, got {self}")
+
+
+def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig:
+    if device.type != "cuda":  # the interpreter: small tiles keep the CPU tests quick
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    # H200 sweep at 4k tokens (benchmarks/results/phase7_kernels.json): best of 7 for both block
+    # sizes, 355 TFLOP/s with block size 256
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _attn_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    lo,
+    hi,
+    qk_scale,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # key positions
+        in_ctx = offs_n < hi
+        # paged gather: position -> (physical block, offset in block)
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k_ptrs = k_cache_ptr + block[:, None] * stride_kcb + in_block[:, None] * stride_kcs
+        k = tl.load(
+            k_ptrs + kv_head * stride_kch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
+        )
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if CAUSAL_MASK:
+            qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)  # rescales what was summed under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_cache_ptr + block[:, None] * stride_vcb + in_block[:, None] * stride_vcs
+        v = tl.load(
+            v_ptrs + kv_head * stride_vch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
+        )
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attn_varlen_paged_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_btb,
+    QUERY_GROUP_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if start_m * BLOCK_M >= q_len:  # the grid is sized for the longest sequence
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # keys cached before this step
+    kv_head = head // QUERY_GROUP_SIZE
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_pos = context_len + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    row_mask = (offs_m < q_len)[:, None]
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_mask
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
+
+    # keys 0 … context_len + start_m * BLOCK_M - 1 are visible to every row of this tile
+    unmasked_hi = (context_len + start_m * BLOCK_M) // BLOCK_N * BLOCK_N
+    band_hi = tl.minimum(seq_len, context_len + (start_m + 1) * BLOCK_M)
+    acc, l_i, m_i = _attn_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        0, unmasked_hi, qk_scale,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, CAUSAL_MASK=False,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        unmasked_hi, band_hi, qk_scale,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, CAUSAL_MASK=True,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def flash_attn_varlen_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries `q` `[T, H, D]` over their paged contexts.
+
+    query_start_loc: int32 `[num_seqs + 1]`, cu_seqlens of the new tokens in `q`.
+    seq_lens: int32 `[num_seqs]`, context length including the new tokens.
+    block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
+    max_query_len: the longest q_len (a host int, so the launch needs no device sync).
+    Returns `[T, H, D]` in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0
+    assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    config = config or default_prefill_config(head_dim, q.device)
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, config.block_m), num_heads, num_seqs)
+    _flash_attn_varlen_paged_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        QUERY_GROUP_SIZE=num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return out

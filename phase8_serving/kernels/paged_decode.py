@@ -1,0 +1,246 @@
+"""Paged decode attention: one new query token per sequence against its whole paged context.
+
+Problem: a decode step does almost no arithmetic (one query row per head) but must read every
+cached K and V byte of every sequence: it is bound by HBM bandwidth, and the only goal is to
+stream the cache at the copy rate. Two things stand in the way. GQA: with H query heads on Hkv
+KV heads, a per-query-head program reads each K/V byte H/Hkv times. Few long sequences: one
+program per (sequence, KV head) gives batch 1 only Hkv programs, a handful of the GPU's 132 SMs.
+
+Idea (vLLM's PagedAttention v2, FlashDecoding):
+- one program per (sequence, KV head, split) loads the QUERY_GROUP_SIZE query heads that share
+  that KV head as one `[BLOCK_H, D]` tile, so each K/V tile read from HBM serves all of them
+  (tl.dot needs 16 rows on a GPU: the group is padded to BLOCK_H >= 16 with masked rows);
+- split-K: the context is cut into `num_splits` ranges processed by separate programs, each
+  running the online softmax (m_i, l_i, acc) over its range and writing its normalized partial
+  output and log-sum-exp; a second, tiny kernel merges the splits with weights exp2(lse - max).
+  `num_splits` comes from a heuristic that aims for a few programs per SM without host syncs.
+
+Invariants:
+- the query of sequence i is position seq_len_i - 1: it sees keys 0 … seq_len_i - 1, all of them.
+- split s covers positions [s * tokens_per_split, min((s + 1) * tokens_per_split, seq_len)); a
+  split past the end of a short sequence is empty, writes lse = -inf and gets weight 0.
+- lse is in log2 units, like the scores (scale is pre-multiplied by log2(e)).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+MIN_BLOCK_H = 16  # tl.dot's smallest M on a GPU
+PROGRAMS_PER_SM = 4  # how many programs the split heuristic aims at per SM
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's partial-output traffic stops paying off
+MAX_SPLITS = 64
+INTERPRETER_NUM_SMS = 4  # what the heuristic assumes when there is no GPU to ask
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Key tile and launch parameters; `default_decode_config` picks one per device."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n != triton.next_power_of_2(self.block_n):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self}")
+
+
+def default_decode_config(device: torch.device) -> DecodeConfig:
+    if device.type != "cuda":
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Enough splits for ~PROGRAMS_PER_SM programs per SM, each split >= MIN_TOKENS_PER_SPLIT."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    longest_useful = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, longest_useful, MAX_SPLITS))
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    tokens_per_split,
+    stride_qs,
+    stride_qh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_btb,
+    stride_pos,
+    stride_poh,
+    stride_pop,
+    stride_lses,
+    stride_lseh,
+    QUERY_GROUP_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = split * tokens_per_split
+    hi = tl.minimum(seq_len, lo + tokens_per_split)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * QUERY_GROUP_SIZE + offs_h  # the query heads sharing this KV head
+    head_mask = (offs_h < QUERY_GROUP_SIZE)[:, None]
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        in_ctx = offs_n < hi
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k_ptrs = k_cache_ptr + block[:, None] * stride_kcb + in_block[:, None] * stride_kcs
+        k = tl.load(
+            k_ptrs + kv_head * stride_kch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
+        )
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
+        qk = tl.where(in_ctx[None, :], qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_cache_ptr + block[:, None] * stride_vcb + in_block[:, None] * stride_vcs
+        v = tl.load(
+            v_ptrs + kv_head * stride_vch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
+        )
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_ij
+
+    # an empty split (lo >= seq_len) keeps l_i == 0: output 0, lse = -inf, merge weight 0
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    part_row = seq.to(tl.int64) * stride_pos + heads * stride_poh + split * stride_pop
+    tl.store(part_out_ptr + part_row[:, None] + offs_d[None, :], out, mask=head_mask)
+    lse_ptrs = part_lse_ptr + seq * stride_lses + heads * stride_lseh + split
+    tl.store(lse_ptrs, lse, mask=offs_h < QUERY_GROUP_SIZE)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pos,
+    stride_poh,
+    stride_pop,
+    stride_lses,
+    stride_lseh,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_mask = offs_s < num_splits
+    lse_ptrs = part_lse_ptr + seq * stride_lses + head * stride_lseh + offs_s
+    lse = tl.load(lse_ptrs, mask=split_mask, other=float("-inf"))
+    weight = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    part_ptrs = part_out_ptr + seq.to(tl.int64) * stride_pos + head * stride_poh
+    part_ptrs += offs_s[:, None] * stride_pop + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=split_mask[:, None], other=0.0)  # (BLOCK_SPLITS, HEAD_DIM)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence, `q` `[num_seqs, H, D]`, over its paged context.
+
+    seq_lens: int32 `[num_seqs]`, context length including this step's token (>= 1).
+    block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
+    num_splits: None picks one from the batch and `max_blocks_per_seq * block_size` (an upper
+    bound on the context read without a device sync).
+    Returns `[num_seqs, H, D]` in q's dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0
+    assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
+    config = config or default_decode_config(q.device)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_sms = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count
+            if q.device.type == "cuda"
+            else INTERPRETER_NUM_SMS
+        )
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), config.block_n)
+    tokens_per_split *= config.block_n  # whole key tiles per split
+
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
+    part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
+    group = num_heads // num_kv_heads
+    _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse,
+        scale * LOG2_E, tokens_per_split,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        QUERY_GROUP_SIZE=group,
+        BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    _paged_decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, out, num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out

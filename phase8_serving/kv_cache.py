@@ -1,0 +1,27 @@
+"""KV cache tensors as a pool of fixed-size blocks.
+
+Problem: phase 4's slot pool handed out contiguous regions, which fragment and are reserved for a
+sequence's maximum length.
+Idea: per layer one (num_blocks, block_size, num_kv_heads, head_dim) tensor for keys and one for
+values. Which blocks belong to which sequence is the block manager's business (block_manager.py);
+this file only stores and holds tensors. A token's slot is block_id * block_size + offset, so the
+model can write through a flat `slot_mapping` exactly as in phase 4.
+
+Invariant: slot s lives at [s // block_size, s % block_size].
+"""
+
+import torch
+
+
+class KVCache:
+    """The block pool's tensors: keys and values of every layer."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
+        """Writes new keys/values (N, H_kv, D) into their slots (N,)."""
+        self.k[layer].flatten(0, 1)[slot_mapping] = k  # (num_blocks * block_size, H_kv, D) view
+        self.v[layer].flatten(0, 1)[slot_mapping] = v

@@ -1,0 +1,22 @@
+"""SwiGLU feed-forward block: the per-token "thinking" between attention layers.
+
+Problem: attention only mixes information across tokens; each token also needs a nonlinear
+transformation of its own vector.
+Idea (Shazeer, 2020): down(silu(gate(x)) * up(x)). The gate decides, channel by channel, how much of
+the up-projection passes. Names match Hugging Face checkpoint keys (gate_proj, up_proj, down_proj).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,88 @@
+"""Model runner: turns the scheduler's decision into tensors, one forward pass, and tokens.
+
+Problem: the scheduler thinks in sequences and token counts; the model wants packed tensors.
+Idea: for every scheduled (sequence, num_new_tokens), take the next `num_new_tokens` of its token
+ids, their positions (num_computed_tokens onwards) and their cache slots, pack all sequences into
+one flat batch, run the model once, and sample a token for each sequence whose new tokens reach
+its end (a sequence still mid-prompt samples nothing).
+
+The runner owns the KV cache tensors and one `Sampler` per request (its seeded random stream
+survives preemption); it never decides who runs.
+
+Phase 5: slots come from block tables, and the block tables travel to attention in the batch.
+"""
+
+import torch
+
+from .attention import ForwardBatch
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .kv_cache import KVCache
+from .model import Qwen3ForCausalLM
+from .sampling import Sampler
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig, block_manager: BlockManager):
+        self.model = model
+        self.block_manager = block_manager
+        self.device = next(model.parameters()).device
+        c = model.config
+        dtype = model.lm_head.weight.dtype
+        self.kv_cache = KVCache(
+            c.num_layers, config.num_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim,
+            dtype, self.device,
+        )  # fmt: skip
+        self.samplers: dict[int, Sampler] = {}  # seq_id -> its sampler
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]):
+        """Packs the scheduled sequences: -> (input_ids (N,), positions (N,), ForwardBatch)."""
+        input_ids, positions, query_start_loc, seq_lens, logits_indices = [], [], [0], [], []
+        slot_mapping = []
+        for seq, num_new in scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [self.block_manager.slot(seq.seq_id, p) for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # caught up: the last token's logits pick the next one
+                logits_indices.append(query_start_loc[-1] - 1)
+        tables = [self.block_manager.block_tables[seq.seq_id] for seq, _ in scheduled]
+        width = max(len(t) for t in tables)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        batch = ForwardBatch(
+            query_start_loc=as_tensor(query_start_loc),
+            seq_lens=as_tensor(seq_lens),
+            slot_mapping=as_tensor(slot_mapping),
+            block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables]),  # 0: never read
+            logits_indices=as_tensor(logits_indices),
+            max_query_len=max(n for _, n in scheduled),
+            max_seq_len=max(seq_lens),
+            block_size=self.block_manager.block_size,
+        )
+        return as_tensor(input_ids), as_tensor(positions), batch
+
+    @torch.no_grad()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
+        """One forward step. Returns the sampled token per scheduled sequence (None mid-prompt)."""
+        input_ids, positions, batch = self.prepare(scheduled)
+        logits = self.model(input_ids, positions, batch, self.kv_cache)  # (R, V)
+        samples = [s.num_computed_tokens + n == s.num_tokens for s, n in scheduled]
+        chosen = [s for (s, _), f in zip(scheduled, samples, strict=True) if f]
+        tokens = iter(self.sample(logits, chosen))
+        return [next(tokens) if f else None for f in samples]
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        if all(s.params.greedy for s in seqs):
+            return logits.argmax(dim=-1).tolist()  # one host transfer for the whole batch
+        tokens = []
+        for row, seq in zip(logits, seqs, strict=True):
+            if seq.seq_id not in self.samplers:
+                self.samplers[seq.seq_id] = Sampler(seq.params, self.device)
+            tokens.append(self.samplers[seq.seq_id](row))
+        return tokens
+
+    def release(self, seq: Sequence) -> None:
+        self.samplers.pop(seq.seq_id, None)

@@ -1,0 +1,133 @@
+"""Scheduler: which sequences run this step, and with how many tokens each.
+
+Problem: static batching (phase 3) keeps finished rows in the batch and makes new requests wait
+for the whole batch; a long prompt's prefill stalls everyone's decoding; and if the KV cache runs
+out, something must give.
+Idea (vLLM v1): there is no prefill or decode phase, only each sequence's `num_computed_tokens`
+catching up to its `num_tokens`. Every step has a token budget (`max_num_batched_tokens`):
+1. running sequences first, in admission order: each gets what it still needs (1 token when
+   decoding), so decodes are never stalled behind a new prompt;
+2. then waiting sequences are admitted while the budget, `max_num_seqs` and the KV cache allow.
+With chunked prefill a prompt larger than the remaining budget takes what is left (a chunk) and
+continues next step; without it, a prompt waits until it fits whole.
+When a running sequence cannot get KV room, the most recently admitted sequence is preempted
+(LIFO, like an OOM killer picking the newest process): its cache is freed and it goes back to the
+front of the waiting queue, to be recomputed from scratch.
+
+Phase 5: KV room is counted in blocks (block_manager.py). On admission the longest cached prefix
+of the sequence's tokens is mapped from the prefix cache and counted as computed, so only the rest
+is scheduled; a preempted sequence often finds its own old blocks still cached.
+
+Invariants (check_invariants): every running sequence has a block table and no other sequence has
+one; running <= max_num_seqs; waiting sequences have num_computed_tokens == 0.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:  # memory is tight when someone was just preempted: admit nobody
+            self._admit_waiting(out, budget)
+        return out
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older sequence
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                continue
+            while not self.block_manager.can_append_slots(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return budget  # everyone admitted after `seq` is already gone too
+            self.block_manager.append_slots(seq, num_new)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.match_prefix(seq)
+            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+            num_new = self._num_new_tokens(seq, budget)
+            num_tokens = seq.num_computed_tokens + num_new
+            if num_new == 0 or not self.block_manager.can_allocate(cached, num_tokens):
+                seq.num_computed_tokens = 0  # stays waiting, with nothing computed
+                return  # first come, first served: nobody overtakes the head of the queue
+            self.block_manager.allocate(seq, cached, num_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            out.admitted.append(seq)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0  # recompute: its keys/values are gone
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Takes a sequence out of the engine (stopped, length reached or aborted)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def check_invariants(self) -> None:
+        self.block_manager.check_invariants()
+        assert set(self.block_manager.block_tables) == {s.seq_id for s in self.running}
+        assert len(self.running) <= self.config.max_num_seqs
+        for seq in self.running:
+            assert seq.status == SequenceStatus.RUNNING
+            assert 0 <= seq.num_computed_tokens <= seq.num_tokens
+            table = self.block_manager.block_tables[seq.seq_id]
+            assert len(table) * self.block_manager.block_size >= seq.num_computed_tokens
+        for seq in self.waiting:
+            assert seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0

@@ -1,0 +1,75 @@
+"""Sequence: one request's tokens and its progress through the engine.
+
+Problem: once requests join and leave a running batch at different times (continuous batching),
+the engine needs per-request state, not per-batch state.
+Idea (vLLM v1's vocabulary): a sequence is its token ids plus one counter, `num_computed_tokens`,
+the number of tokens whose keys/values are in the KV cache. There is no "prefill phase" or
+"decode phase": each step the scheduler lets `num_computed_tokens` catch up towards `num_tokens`
+by some amount; when it catches up, the model's output for the last token is sampled and appended.
+
+Lifecycle: WAITING -> RUNNING -> FINISHED, and RUNNING -> WAITING when preempted (its cache is
+dropped and `num_computed_tokens` goes back to 0: the tokens are recomputed later).
+
+Invariants: 0 <= num_computed_tokens <= num_tokens; num_tokens = num_prompt_tokens + outputs.
+"""
+
+import enum
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # the caller gave up on it
+
+
+class Sequence:
+    def __init__(
+        self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens this sequence can ever hold (prompt + max_tokens)."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
