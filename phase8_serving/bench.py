@@ -1,0 +1,441 @@
+"""`mini-vllm bench throughput|latency|serve`: measure an engine the way vLLM's `bench` does.
+
+- `throughput`: offline, one `LLM.generate` over a seeded random dataset; output tokens (and
+  total tokens) per second of wall time, prefill included.
+- `latency`: one batch of fixed-length requests, generated `--num-iters` times; seconds per batch.
+- `serve`: a client for any OpenAI-compatible server (`/v1/completions`, streaming). Requests
+  arrive as a Poisson process at `--request-rate` (or all at once), with at most
+  `--max-concurrency` in flight; several rates in one run give a latency-vs-load curve.
+
+The serving metrics use vLLM's definitions, so numbers compare with `vllm bench serve`:
+TTFT is the time from sending a request to the first chunk that carries text; ITL the gaps
+between later text chunks; TPOT = (E2E - TTFT) / (output tokens - 1), per request with at least
+two output tokens; E2E the whole request; goodput the requests per second that meet every SLO
+given with `--goodput`. Output tokens are the server's own count (`usage`, requested through
+`stream_options.include_usage`).
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+PERCENTILES = (50, 90, 99)
+# vLLM's random dataset draws token ids from the whole vocabulary minus the special tokens;
+# workload W (nano-vllm's bench) uses ids below 10,000, which every tokenizer here has.
+RANDOM_TOKEN_ID_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+def random_dataset(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[BenchRequest]:
+    """Prompts of random token ids, lengths uniform in [len * (1 - ratio), len * (1 + ratio)].
+
+    With input_len = output_len = 562 and range_ratio 0.82 the lengths span 101..1,022, the
+    shape of workload W (whose own generator lives in `benchmarks/harness.py`).
+    """
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        return rng.randint(max(1, int(mean * (1 - range_ratio))), int(mean * (1 + range_ratio)))
+
+    return [
+        BenchRequest(
+            prompt_ids=[
+                rng.randint(0, RANDOM_TOKEN_ID_LIMIT - 1) for _ in range(length(input_len))
+            ],
+            max_tokens=length(output_len),
+        )
+        for _ in range(num_prompts)
+    ]
+
+
+def environment() -> dict:
+    """Date, commit, machine and versions for the JSON, as `benchmarks/harness.py` records them."""
+    env = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": os.environ.get("MINI_VLLM_COMMIT") or _git_commit(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return env
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).parent,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
+def write_json(payload: dict, out: str | None, name: str) -> Path:
+    """Write to `--out` (a .json file or a directory), by default a scratch directory."""
+    path = Path(out) if out else Path(tempfile.gettempdir()) / "mini-vllm-bench"
+    if path.suffix != ".json":
+        path = path / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+# --- serve: the HTTP client ---------------------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds to the first chunk with text
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def _one_request(client, url: str, body: dict, headers: dict) -> RequestResult:
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    last = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except Exception as exc:  # a failed request is a measurement, not a crash of the client
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = last is not None
+    if not result.ok:
+        result.error = "no text in the stream"
+    return result
+
+
+async def _run_at_rate(args, requests: list[BenchRequest], rate: float) -> dict:
+    import httpx
+
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests))
+    rng = random.Random(args.seed)
+
+    async def send(request: BenchRequest, client) -> RequestResult:
+        body = {
+            "model": args.model,
+            "prompt": request.prompt_ids,
+            "max_tokens": request.max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with limit:
+            return await _one_request(client, url, body, headers)
+
+    timeout = httpx.Timeout(None)
+    connections = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=connections) as client:
+        tasks = []
+        start = time.perf_counter()
+        for request in requests:
+            tasks.append(asyncio.create_task(send(request, client)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, rate, args)
+
+
+def _stats_ms(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    ordered = sorted(v * 1000 for v in values)
+    stats = {"mean": statistics.fmean(ordered)}
+    for p in PERCENTILES:
+        stats[f"p{p}"] = ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
+    return stats
+
+
+def parse_slos(items: list[str] | None) -> dict[str, float]:
+    """`--goodput ttft:500 tpot:50 e2el:20000` (milliseconds), vLLM's syntax."""
+    slos = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        slos[name] = float(value) / 1000
+    return slos
+
+
+def summarize(results: list[RequestResult], duration: float, rate: float, args) -> dict:
+    done = [r for r in results if r.ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    slos = parse_slos(args.goodput)
+
+    def meets(r: RequestResult) -> bool:
+        tpot_r = (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        measured = {"ttft": r.ttft, "tpot": tpot_r, "e2el": r.e2e}
+        return all(measured[name] <= limit for name, limit in slos.items())
+
+    output_tokens = sum(r.output_tokens for r in done)
+    return {
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "max_concurrency": args.max_concurrency,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in done)) / duration,
+        "total_output_tokens": output_tokens,
+        "goodput": sum(meets(r) for r in done) / duration if slos else None,
+        "ttft_ms": _stats_ms([r.ttft for r in done]),
+        "tpot_ms": _stats_ms(tpot),
+        "itl_ms": _stats_ms([gap for r in done for gap in r.itl]),
+        "e2el_ms": _stats_ms([r.e2e for r in done]),
+    }
+
+
+def plot_serve(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [run["request_throughput"] for run in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
+        for p in ("p50", "p99"):
+            ax.plot(x, [run[metric][p] for run in runs], marker="o", label=p)
+        ax.set_xlabel("achieved requests / s")
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_yscale("log")
+        ax.legend()
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("latency against load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def run_serve(args) -> dict:
+    requests = random_dataset(
+        args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+        args.seed,
+    )  # fmt: skip
+    runs = []
+    for rate in args.request_rate:
+        run = asyncio.run(_run_at_rate(args, requests, rate))
+        print(_format_run(run))
+        runs.append(run)
+    payload = {
+        "benchmark": "serve",
+        "environment": environment(),
+        "base_url": args.base_url,
+        "model": args.model,
+        "dataset": {
+            "num_prompts": args.num_prompts,
+            "random_input_len": args.random_input_len,
+            "random_output_len": args.random_output_len,
+            "random_range_ratio": args.random_range_ratio,
+            "seed": args.seed,
+            "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
+            "requested_output_tokens": sum(r.max_tokens for r in requests),
+        },
+        "goodput_slos_ms": {k: v * 1000 for k, v in parse_slos(args.goodput).items()},
+        "runs": runs,
+    }
+    path = write_json(payload, args.out, "serve")
+    if len(runs) > 1:
+        plot_serve(runs, path.with_suffix(".png"))
+    return payload
+
+
+def _format_run(run: dict) -> str:
+    return (
+        f"rate {run['request_rate']}: {run['completed']} ok, {run['failed']} failed, "
+        f"{run['request_throughput']:.2f} req/s, {run['output_throughput']:.0f} output tok/s, "
+        f"TTFT p50 {run['ttft_ms']['p50']:.0f} ms, TPOT p50 {run['tpot_ms']['p50']:.1f} ms, "
+        f"ITL p99 {run['itl_ms']['p99']:.1f} ms"
+        if run["completed"]
+        else f"rate {run['request_rate']}: every request failed: {run['errors']}"
+    )
+
+
+# --- offline: throughput and latency ------------------------------------------------------------
+
+
+def run_throughput(args, make_llm) -> dict:
+    from .sampling import SamplingParams
+
+    requests = random_dataset(
+        args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed
+    )
+    llm = make_llm(args)
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=r.max_tokens, ignore_eos=True)
+        for r in requests
+    ]
+    llm.generate([r.prompt_ids[:8] for r in requests[:2]], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt_ids for r in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    result = {
+        "benchmark": "throughput",
+        "environment": environment(),
+        "num_prompts": args.num_prompts,
+        "seconds": seconds,
+        "requests_per_s": len(requests) / seconds,
+        "output_tok_s": output_tokens / seconds,
+        "total_tok_s": (output_tokens + prompt_tokens) / seconds,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+    }
+    print(
+        f"{result['requests_per_s']:.2f} requests/s, {result['output_tok_s']:.0f} output tok/s, "
+        f"{result['total_tok_s']:.0f} total tok/s"
+    )
+    write_json(result, args.out, "throughput")
+    return result
+
+
+def run_latency(args, make_llm) -> dict:
+    from .sampling import SamplingParams
+
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randint(0, RANDOM_TOKEN_ID_LIMIT - 1) for _ in range(args.input_len)]
+        for _ in range(args.batch_size)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm = make_llm(args)
+    for _ in range(args.num_iters_warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    seconds = []
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+    result = {
+        "benchmark": "latency",
+        "environment": environment(),
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "avg_latency_s": statistics.fmean(seconds),
+        "latencies_s": seconds,
+        "ms_per_output_token": statistics.median(seconds) / args.output_len * 1000,
+    }
+    print(
+        f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: "
+        f"{result['avg_latency_s']:.3f} s per batch, "
+        f"{result['ms_per_output_token']:.2f} ms per decode step"
+    )
+    write_json(result, args.out, "latency")
+    return result
+
+
+def _rate(value: str) -> float:
+    rate = float(value)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a request rate must be > 0 or inf, got {value}")
+    return rate
+
+
+def add_bench_parser(subparsers, add_engine_args) -> None:
+    """Add `bench throughput|latency|serve`; `add_engine_args` adds the engine's own flags."""
+    bench = subparsers.add_parser("bench", help="benchmark an engine or a running server")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--temperature", type=float, default=0.6, help="workload W's")
+    common.add_argument("--out", help="JSON file or directory (default: a scratch directory)")
+
+    throughput = kinds.add_parser("throughput", parents=[common], help="offline tok/s")
+    add_engine_args(throughput)
+    throughput.add_argument("--num-prompts", type=int, default=256)
+    throughput.add_argument("--input-len", type=int, default=562)
+    throughput.add_argument("--output-len", type=int, default=562)
+    throughput.add_argument("--random-range-ratio", type=float, default=0.82)
+
+    latency = kinds.add_parser("latency", parents=[common], help="seconds per batch")
+    add_engine_args(latency)
+    latency.add_argument("--batch-size", type=int, default=1)
+    latency.add_argument("--input-len", type=int, default=512)
+    latency.add_argument("--output-len", type=int, default=256)
+    latency.add_argument("--num-iters", type=int, default=5)
+    latency.add_argument("--num-iters-warmup", type=int, default=1)
+
+    serve = kinds.add_parser("serve", parents=[common], help="an OpenAI-compatible server")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--model", required=True, help="the served model name")
+    serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    serve.add_argument("--num-prompts", type=int, default=256)
+    serve.add_argument("--random-input-len", type=int, default=562)
+    serve.add_argument("--random-output-len", type=int, default=562)
+    serve.add_argument("--random-range-ratio", type=float, default=0.82)
+    serve.add_argument(
+        "--request-rate", type=_rate, nargs="+", default=[math.inf],
+        help="requests per second (Poisson arrivals); several values run one after another",
+    )  # fmt: skip
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
+    serve.add_argument("--goodput", nargs="*", metavar="SLO", help="e.g. ttft:500 tpot:50")
+
+
+def run_bench(args, make_llm) -> dict:
+    if args.bench == "serve":
+        return run_serve(args)
+    if args.bench == "throughput":
+        return run_throughput(args, make_llm)
+    return run_latency(args, make_llm)
