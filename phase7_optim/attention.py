@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from .kv_cache import KVCache
+from .distributed import SINGLE_RANK, TensorParallel
+from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -103,17 +105,17 @@ class Attention(nn.Module):
         layer_idx: int,
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
+        tp: TensorParallel = SINGLE_RANK,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        # Tensor parallelism (linear.py): this rank's heads only; o_proj all-reduces the heads.
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, tp)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, tp)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else nn.Identity()
         self.rotary = rotary
@@ -127,9 +129,10 @@ class Attention(nn.Module):
         kv_cache: KVCache,
     ) -> torch.Tensor:
         N = x.shape[0]
-        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        q = q.view(N, self.num_heads, self.head_dim)
+        k = k.view(N, self.num_kv_heads, self.head_dim)
+        v = v.view(N, self.num_kv_heads, self.head_dim)
         q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE (Qwen3)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
         kv_cache.store(self.layer_idx, k, v, batch.slot_mapping)
