@@ -1,10 +1,12 @@
-"""Phase 7: the fast engine. Attention is bandwidth-bound, the CPU launches too slowly, one GPU is
-not enough.
+"""Phase 8: serving. An engine inside a Python object serves nobody.
 
-Phase 6's engine with Triton kernels for attention on CUDA (`kernels/`: the KV store, varlen
-FlashAttention prefill over the paged cache, paged decode), CUDA graphs for decode steps, batched
-sampling on the GPU and tensor parallelism. On CPU the same engine runs a readable torch path.
-Importing this package only defines things.
+Phase 7's engine behind an OpenAI-compatible HTTP server: the engine loop runs in a background
+thread (`async_engine.AsyncLLM`), each request gets an async stream of outputs, and a FastAPI app
+(`api_server.build_app`) speaks /v1/completions and /v1/chat/completions, streaming included, to
+any OpenAI client. `mini-vllm serve|generate|chat` (cli.py) is the command line. The engine
+gains what clients ask for: presence/frequency/repetition penalties and logprobs.
+The server's modules (which need fastapi, uvicorn, prometheus_client) are not imported here, so
+the offline `LLM` works without them. Importing this package only defines things.
 """
 
 from .block_manager import BlockManager

@@ -16,12 +16,16 @@ Phase 6: real text. `LLM("path/or/hub-id")` (or `LLM()`, the embedded SmolLM2) l
 and its tokenizer; every request streams its tokens through an incremental detokenizer, stops at
 any of the checkpoint's EOS ids or at a stop string (the text is cut before it), and
 `LLM.chat` renders conversations with the checkpoint's chat template.
+
+Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
+for, and `num_preemptions` counts preemptions for the server's metrics. (`abort_request` frees a
+request's blocks at once; the server calls it when a client goes away.)
 """
 
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +37,7 @@ from .default_model import default_model_dir
 from .loader import load_model
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprobs
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string
@@ -48,6 +52,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort"; None while running
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, if the request asked
 
 
 @dataclass
@@ -64,6 +69,7 @@ class Request:
     seq: Sequence
     prompt: str | None
     detokenizer: IncrementalDetokenizer  # its output_text is the request's text so far
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token
 
 
 class LLMEngine:
@@ -86,6 +92,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+        self.num_preemptions = 0  # since start, for the server's metrics
 
     def add_request(
         self,
@@ -148,14 +155,18 @@ class LLMEngine:
         out = self.scheduler.schedule()
         # A step may run nothing (every running sequence was preempted); the trace still records
         # it.
-        tokens = self.runner.run(out.scheduled) if out.scheduled else []
+        samples = self.runner.run(out.scheduled) if out.scheduled else []
+        self.num_preemptions += len(out.preempted)
         updated, finished = [], []
-        for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):
+        for (seq, num_new), sample in zip(out.scheduled, samples, strict=True):
             seq.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(seq)
-            if token is None:
+            if sample is None:
                 continue
+            token = sample.token_id
             seq.token_ids.append(token)
+            if sample.logprobs is not None:
+                self.requests[seq.request_id].logprobs.append(sample.logprobs)
             updated.append(seq)
             reason = self._finish_reason(seq, token)
             if reason is not FinishReason.STOP:  # a stop token's own text is never shown
@@ -197,7 +208,8 @@ class LLMEngine:
             request.detokenizer.flush()  # a character split at max_tokens still shows up
         reason = seq.finish_reason.value if seq.finish_reason else None
         text = request.detokenizer.output_text
-        completion = CompletionOutput(0, text, seq.output_token_ids, reason)
+        logprobs = list(request.logprobs) if seq.params.logprobs is not None else None
+        completion = CompletionOutput(0, text, seq.output_token_ids, reason, logprobs)
         return RequestOutput(
             seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished
         )

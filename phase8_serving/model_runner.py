@@ -10,7 +10,12 @@ The runner owns the KV cache tensors and one `Sampler` per request (its seeded r
 survives preemption); it never decides who runs.
 
 Phase 5: slots come from block tables, and the block tables travel to attention in the batch.
+
+Phase 8: before sampling, the rows of requests with penalties are penalized in one batched pass;
+requests that asked for logprobs get them from the raw logits, beside their token.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,8 +24,14 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .kv_cache import KVCache
 from .model import Qwen3ForCausalLM
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprobs, apply_penalties, token_logprobs
 from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None  # only when the request asked for logprobs
 
 
 class ModelRunner:
@@ -65,7 +76,7 @@ class ModelRunner:
         return as_tensor(input_ids), as_tensor(positions), batch
 
     @torch.no_grad()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
         """One forward step. Returns the sampled token per scheduled sequence (None mid-prompt)."""
         input_ids, positions, batch = self.prepare(scheduled)
         logits = self.model(input_ids, positions, batch, self.kv_cache)  # (R, V)
@@ -74,7 +85,29 @@ class ModelRunner:
         tokens = iter(self.sample(logits, chosen))
         return [next(tokens) if f else None for f in samples]
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        raw_logits = logits
+        if any(s.params.has_penalties for s in seqs):
+            logits = apply_penalties(
+                logits,
+                [s.prompt_token_ids for s in seqs],
+                [s.output_token_ids for s in seqs],
+                [s.params for s in seqs],
+            )
+        tokens = self.choose(logits, seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if wanted:
+            found = token_logprobs(
+                raw_logits[wanted],
+                [tokens[i] for i in wanted],
+                [seqs[i].params.logprobs for i in wanted],
+            )
+            for i, lp in zip(wanted, found, strict=True):
+                logprobs[i] = lp
+        return [SampledToken(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1).tolist()  # one host transfer for the whole batch
         tokens = []

@@ -12,13 +12,26 @@ survives every filter, so there is always something to sample.
 From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; from phase 6
 `stop` strings and `skip_special_tokens`.
 
+Phase 8 (what a server's clients ask for, as the OpenAI API names it):
+- penalties, applied to the logits before temperature, batched over the rows of a step
+  (`apply_penalties`; vLLM's definitions): repetition_penalty r divides a positive logit by r and
+  multiplies a negative one by r, for every token seen in the prompt or the output;
+  frequency_penalty subtracts f times the token's count in the output; presence_penalty
+  subtracts p once for every token that occurs in the output;
+- `logprobs`: the log-probability of each sampled token under the model's raw distribution
+  (before penalties, temperature and filters), plus the `logprobs` most likely alternatives.
+
 Every request owns a `torch.Generator`: with `seed` set, the same request gives the same text no
 matter what else runs beside it (that matters once requests share a batch, phase 3 onwards).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for (the OpenAI API's limit)
+MAX_ABS_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2] (the OpenAI API's range)
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request, like EOS
     stop: tuple[str, ...] = ()  # strings that end the request; the text is cut before them
     skip_special_tokens: bool = True  # leave <|im_end|> and friends out of the text
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k's
 
     def __post_init__(self):
         # Accept vLLM users' habits (a list, or one string) but store tuples: params are frozen.
@@ -51,10 +68,79 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+) -> torch.Tensor:
+    """logits (R, V), one row per request -> penalized logits (R, V), float32, one batched pass."""
+    R, V = logits.shape
+    device = logits.device
+    logits = logits.float()
+    output_counts = torch.zeros(R, V, device=device)  # (R, V): occurrences in the output
+    seen = torch.zeros(R, V, dtype=torch.bool, device=device)  # in the prompt or the output
+    for row, (prompt, output) in enumerate(zip(prompt_token_ids, output_token_ids, strict=True)):
+        out_ids = torch.tensor(output, dtype=torch.long, device=device)
+        output_counts[row].index_add_(0, out_ids, torch.ones(len(output), device=device))
+        seen[row, torch.tensor(prompt, dtype=torch.long, device=device)] = True
+    seen |= output_counts > 0
+    column = lambda name: torch.tensor(  # noqa: E731
+        [getattr(p, name) for p in params], dtype=torch.float32, device=device
+    )[:, None]  # (R, 1)
+    repetition = column("repetition_penalty")
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    logits -= column("frequency_penalty") * output_counts
+    logits -= column("presence_penalty") * (output_counts > 0)
+    return logits
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled position: the chosen token's log-probability and the most likely tokens'."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], ks: list[int]
+) -> list[TokenLogprobs]:
+    """logits (R, V) raw; per row, its sampled token's logprob and its top ks[row] alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0]
+    top = logprobs.topk(max(ks), dim=-1) if max(ks) > 0 else None
+    result = []
+    for row, (token_id, k) in enumerate(zip(token_ids, ks, strict=True)):
+        alternatives = ()
+        if k > 0:
+            ids, values = top.indices[row, :k].tolist(), top.values[row, :k].tolist()
+            alternatives = tuple(zip(ids, values, strict=True))
+        result.append(TokenLogprobs(token_id, float(chosen[row]), alternatives))
+    return result
 
 
 def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,219 @@
+"""Async engine: the engine loop in its own thread, one stream of outputs per request.
+
+Problem: `LLM.generate` takes a list of prompts known in advance and returns when all are done.
+A server's requests arrive one at a time, at any time, from clients that each wait on their own
+connection, want their tokens as soon as they exist, and may hang up halfway.
+Idea (vLLM's AsyncLLM): a background thread owns the `LLMEngine` and does nothing but step it.
+The event loop talks to that thread through one command queue (add, abort) and gets outputs back
+through one asyncio queue per request (`RequestStream`), filled with `call_soon_threadsafe`. A
+web server's handlers (the front desk) never touch the engine (the kitchen); they hand in orders
+and pick up dishes.
+
+Invariants:
+- only the engine thread calls the engine, so the engine needs no locks;
+- `add_request` returns only after the engine accepted the request, so a bad request fails with
+  its own `ValueError` (the server answers 400) before any response starts, and nothing changes;
+- a request whose stream is closed before it finished is aborted: its KV blocks are freed by the
+  engine thread's next command drain, which happens before its next step;
+- if a step raises, every request in flight gets that error and is aborted; the loop goes on.
+"""
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .engine import LLMEngine, RequestOutput
+from .metrics import EngineMetrics, EngineStats
+from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_S = 0.1  # an idle engine thread rechecks for shutdown this often
+
+
+class EngineStepError(RuntimeError):
+    """A step failed inside the engine; the requests it was running were aborted."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; the last one has `finished` set."""
+
+    def __init__(self, request_id: str, llm: "AsyncLLM", loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._llm = llm
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Aborts the request unless it already finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._llm.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Shutdown:
+    pass
+
+
+@dataclass
+class _Timing:
+    """Per-request clock for the latency metrics (engine thread only)."""
+
+    arrival: float
+    last_token: float | None = None
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.stats = EngineStats()  # replaced whole after every step (readers never see a mix)
+        self.metrics = EngineMetrics(model_name, lambda: self.stats)
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Shutdown] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[RequestStream, _Timing]] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- the event loop's side -------------------------------------------------------------
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Queues a request; raises ValueError (from the engine) if it is invalid."""
+        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        command = _Add(request_id, prompt_token_ids, params, stream)
+        self._commands.put(command)
+        try:
+            await asyncio.wrap_future(command.accepted)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller left while the engine was busy; no-op if unknown
+            raise
+        return stream
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._commands.put(_Shutdown())
+        self._thread.join()
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            try:
+                command = self._commands.get(block=not busy, timeout=IDLE_POLL_S)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if isinstance(command, _Shutdown):
+                    return
+                self._handle(command)
+                command = self._commands.get_nowait() if not self._commands.empty() else None
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _handle(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            self._streams.pop(command.request_id, None)
+            self._publish_stats()
+            return
+        try:
+            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
+        except ValueError as e:
+            command.accepted.set_exception(e)
+            return
+        self._streams[command.request_id] = (command.stream, _Timing(time.perf_counter()))
+        self.metrics.prompt_tokens.inc(len(command.prompt_token_ids))
+        command.accepted.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug or an exhausted device: fail what was running, keep going
+            logger.exception("engine step failed; aborting %d requests", len(self._streams))
+            for request_id, (stream, _) in self._streams.items():
+                self.engine.abort_request(request_id)
+                stream.put(EngineStepError(f"the engine failed: {e}"))
+            self._streams.clear()
+            self._publish_stats()
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue
+            stream, timing = entry
+            self._observe(timing, now, out.finished)
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        self._publish_stats()
+
+    def _observe(self, timing: _Timing, now: float, finished: bool) -> None:
+        """One new token for a request (each step adds at most one per request)."""
+        m = self.metrics
+        m.generation_tokens.inc()
+        if timing.last_token is None:
+            m.time_to_first_token.observe(now - timing.arrival)
+        else:
+            m.inter_token_latency.observe(now - timing.last_token)
+        timing.last_token = now
+        if finished:
+            m.e2e_request_latency.observe(now - timing.arrival)
+
+    def _publish_stats(self) -> None:
+        engine, bm = self.engine, self.engine.block_manager
+        self.stats = EngineStats(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            kv_cache_usage=bm.num_used_blocks / len(bm.blocks),
+            prefix_cache_queries=bm.num_queried_tokens,
+            prefix_cache_hits=bm.num_hit_tokens,
+            num_preemptions=engine.num_preemptions,
+        )

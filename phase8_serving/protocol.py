@@ -1,0 +1,210 @@
+"""Protocol: the OpenAI API's request bodies, validated at the door, and its error shape.
+
+Problem: everything a client sends is untrusted: malformed JSON, a string where a number goes,
+a negative temperature, a prompt longer than the model's context. Each must come back as a 400
+that names the field, in the shape the official `openai` client parses
+(`{"error": {"message", "type", "param", "code"}}`), and must never reach the engine.
+Idea: pydantic models with the OpenAI API's field names and ranges (strict: "3" is not a number,
+NaN is not a temperature). FastAPI derives `/openapi.json` from them, so the schema clients and
+fuzzers see is exactly what is enforced. `sampling_params` turns a valid body into the engine's
+`SamplingParams`; what needs the tokenized prompt (the context length) is checked there.
+vLLM's extras are accepted too: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
+skip_special_tokens, chat_template_kwargs.
+"""
+
+import abc
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .sampling import MAX_ABS_PENALTY, MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16  # completions per prompt one request may ask for
+MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n uses seed + i, which must fit torch's 64-bit seed
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class InvalidRequest(ValueError):
+    """A request the server cannot serve as asked; answered with 400 (or `status`)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code=None):
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | int | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool | None = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+    PROMPT_FIELD: ClassVar[str]  # where the prompt is, for errors about its length
+
+    model: str | None = None  # None: the served model
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as by vLLM
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @abc.abstractmethod
+    def requested_max_tokens(self) -> int | None:
+        """The completion length asked for (each endpoint names its own field); None: the rest
+        of the context."""
+
+    @abc.abstractmethod
+    def requested_logprobs(self) -> int | None:
+        """None: no logprobs; k: the sampled token's and the k most likely tokens'."""
+
+    def sampling_params(
+        self, num_prompt_tokens: int, max_model_len: int, choice: int
+    ) -> SamplingParams:
+        """The engine's params for choice `choice` of this request, for a prompt of that length."""
+        prompt_param = self.PROMPT_FIELD
+        if num_prompt_tokens >= max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt has {num_prompt_tokens} tokens, leaving no room for a completion.",
+                prompt_param,
+            )
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = max_model_len - num_prompt_tokens
+        elif num_prompt_tokens + max_tokens > max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"prompt, {max_tokens} in the completion).",
+                "max_tokens",
+            )
+        given = {
+            name: value
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )  # fmt: skip
+            if (value := getattr(self, name)) is not None
+        }
+        return SamplingParams(
+            **given,
+            max_tokens=max_tokens,
+            seed=None if self.seed is None else self.seed + choice,
+            stop=self.stop or (),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=self.requested_logprobs(),
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or lists of ids."""
+
+    PROMPT_FIELD = "prompt"
+
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: int | None = Field(16, ge=1)  # the OpenAI API's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Literal[False] = False  # echoing the prompt back is not supported
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text, or its token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content, "name": self.name}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    PROMPT_FIELD = "messages"
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

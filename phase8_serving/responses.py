@@ -1,0 +1,158 @@
+"""Responses: the OpenAI API's JSON for completions and chat, whole or as streaming chunks.
+
+Problem: the engine speaks token ids, `RequestOutput`s and `TokenLogprobs`; the `openai` client
+parses a precise JSON shape that differs between the two endpoints (`text` vs `message` or
+`delta`; legacy `logprobs` lists vs chat's `logprobs.content`), and again between a whole
+response and a streamed chunk.
+Idea: `ChoiceStream` follows one choice of a response: it reads the engine's outputs, turns them
+into deltas (streaming.py: nothing is shown that a stop string later removes) and keeps the
+totals. The functions below only shape JSON from those deltas and totals.
+"""
+
+from collections.abc import AsyncIterator, Sequence
+
+from .async_engine import RequestStream
+from .sampling import TokenLogprobs
+from .streaming import DeltaTracker, OutputDelta
+from .tokenizer import Tokenizer
+
+
+class ChoiceStream:
+    """One choice (one engine request) of a response, and everything it has produced so far."""
+
+    def __init__(self, index: int, stream: RequestStream, tokenizer: Tokenizer, stops):
+        self.index = index
+        self.stream = stream
+        self.tokenizer = tokenizer
+        self.tracker = DeltaTracker(() if stops is None else [stops] if isinstance(stops, str)
+                                    else stops)  # fmt: skip
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = None
+        self.finish_reason: str | None = None
+
+    async def deltas(self) -> AsyncIterator[OutputDelta]:
+        """The deltas worth sending (new text, new logprobs, or the finish reason)."""
+        async for out in self.stream:
+            delta = self.tracker.update(out.outputs[0], out.finished)
+            self.text += delta.text
+            self.token_ids += delta.token_ids
+            if delta.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + delta.logprobs
+            self.finish_reason = delta.finish_reason
+            if delta.text or delta.logprobs or delta.finish_reason:
+                yield delta
+
+    async def run(self) -> None:
+        """Reads the choice to its end (non-streaming responses)."""
+        async for _ in self.deltas():
+            pass
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def usage(prompts: Sequence[Sequence[int]], choices: Sequence[ChoiceStream]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n is
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(choice: ChoiceStream, logprobs: list[TokenLogprobs], offset: int) -> dict:
+    """The legacy completions shape: parallel lists; text_offset counts from `offset`."""
+    tokens = [choice.token_text(lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{choice.token_text(t): v for t, v in lp.top_logprobs} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(choice: ChoiceStream, logprobs: list[TokenLogprobs]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        token = choice.token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {
+                **entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(t, v) for t, v in lp.top_logprobs],
+            }
+            for lp in logprobs
+        ]  # fmt: skip
+    }
+
+
+def completion_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> dict:
+    return {
+        **meta,
+        "object": "text_completion",
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": None if c.logprobs is None else completion_logprobs(c, c.logprobs, 0),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> dict:
+    return {
+        **meta,
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if c.logprobs is None else chat_logprobs(c, c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage_,
+    }
+
+
+def completion_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
+    logprobs = None
+    if delta.logprobs is not None:
+        offset = len(choice.text) - len(delta.text)
+        logprobs = completion_logprobs(choice, delta.logprobs, offset)
+    entry = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
+             "finish_reason": delta.finish_reason}  # fmt: skip
+    return {**meta, "object": "text_completion", "choices": [entry]}
+
+
+def chat_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
+    logprobs = None if delta.logprobs is None else chat_logprobs(choice, delta.logprobs)
+    content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+    entry = {"index": choice.index, "delta": content, "logprobs": logprobs,
+             "finish_reason": delta.finish_reason}  # fmt: skip
+    return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
+
+
+def chat_role_chunk(meta: dict, choice: ChoiceStream) -> dict:
+    """The first chunk of each chat choice: the role, no content yet (as OpenAI streams it)."""
+    entry = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+             "logprobs": None, "finish_reason": None}  # fmt: skip
+    return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
+
+
+def usage_chunk(meta: dict, usage_: dict, chat: bool) -> dict:
+    """With stream_options.include_usage: the last chunk, no choices, the request's usage."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {**meta, "object": kind, "choices": [], "usage": usage_}

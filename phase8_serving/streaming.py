@@ -1,0 +1,65 @@
+"""Streaming: turning a request's growing output into deltas a client may see right away.
+
+Problem: the engine reports each request's whole text so far after every step. A streaming client
+wants only what is new, and must never see text that is later taken back: when a stop string is
+found, the engine cuts the text before it, so characters that might be the start of a stop string
+("Obs" while the stop string is "Observation:") cannot be shown yet. A character split across
+tokens is already held back by the incremental detokenizer.
+Idea: `DeltaTracker` remembers how much of the text and how many tokens it has handed out. While
+the request runs, it holds back the longest tail of the text that is the beginning of some stop
+string; once the request has finished, the text is final and everything left goes out.
+
+Invariant: the concatenated text deltas equal the final text, and every delta is a piece of it
+(nothing shown is ever withdrawn); token deltas, likewise, concatenate to the final token ids.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .engine import CompletionOutput
+from .sampling import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one per new token id, if the request asked
+    finish_reason: str | None  # set on the last delta only
+
+
+def held_back_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that a stop string starts with (a proper prefix)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+class DeltaTracker:
+    """What one completion has shown so far; `update` returns what to show next."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.num_chars_sent = 0
+        self.num_tokens_sent = 0
+
+    def update(self, output: CompletionOutput, finished: bool) -> OutputDelta:
+        text = output.text
+        if not finished:
+            text = text[: len(text) - held_back_length(text, self.stops)]
+        # The engine's text only grows or is cut at a stop string, and the cut never reaches
+        # what was sent (that part is no stop string's beginning), so this is a pure extension.
+        delta_text = text[self.num_chars_sent :]
+        self.num_chars_sent = max(self.num_chars_sent, len(text))
+        new_ids = output.token_ids[self.num_tokens_sent :]
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = output.logprobs[self.num_tokens_sent : len(output.token_ids)]
+        self.num_tokens_sent = len(output.token_ids)
+        return OutputDelta(
+            delta_text, new_ids, logprobs, output.finish_reason if finished else None
+        )
