@@ -21,14 +21,22 @@ Invariants:
   shapes), or the group deadlocks: that is why the inputs are broadcast rather than recomputed.
 """
 
-import dataclasses
+import atexit
 import datetime
 import enum
+import multiprocessing
+import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from .config import EngineConfig
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner, PreparedStep
 
 HOST = "127.0.0.1"  # all ranks on one machine
 # Every rank must reach the rendezvous in this time (spawning and importing torch take seconds).
@@ -77,15 +85,6 @@ def all_gather_last_dim(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def min_over_ranks(n: int, tp: TensorParallel, device: torch.device) -> int:
-    """The smallest n of all ranks (the KV block count every rank can hold)."""
-    if tp.size == 1:
-        return n
-    value = torch.tensor([n], dtype=torch.long, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return int(value.item())
-
-
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank r computes on GPU r; on CPU all ranks share the CPU."""
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
@@ -110,8 +109,10 @@ def free_port() -> int:
 
 
 # ---- Step inputs, rank 0 -> the others --------------------------------------------------------
-# Two broadcasts per step: a fixed-length int64 header (what follows: for every item its kind,
-# dtype and shape, or its int value), then every tensor packed into one int64 payload.
+# Rank 0 packs a step into its model runner's device buffers (model_runner.StepInputs); the
+# workers have the same buffers, and each step arrives straight in them: a header of ints (what
+# `PreparedStep` needs), then one in-place broadcast per buffer, of the rows the step uses.
+# Block-table rows go whole (contiguous); entries past a sequence's blocks are never read.
 
 
 class Command(enum.IntEnum):
@@ -119,78 +120,153 @@ class Command(enum.IntEnum):
     STOP = 1
 
 
-class Kind(enum.IntEnum):
-    TENSOR = 0
-    INT = 1
-    BOOL = 2
-    NONE = 3
+# The header: command, then these (graph bucket 0: an eager step).
+HEADER_FIELDS = ("graph_batch_size", "num_seqs", "num_tokens", "num_sampled", "max_query_len",
+                 "max_seq_len", "width")  # fmt: skip
 
 
-MAX_DIMS = 3  # the step's tensors are at most 2-D (block_tables); one spare
-ITEM_WIDTH = 3 + MAX_DIMS  # kind, dtype code or value, ndim, shape
-INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+def _step_buffers(runner: "ModelRunner", rows: int, num_tokens: int, num_sampled: int):
+    inp = runner.inputs
+    return (
+        inp.input_ids_d[:num_tokens], inp.positions_d[:num_tokens], inp.slot_mapping_d[:num_tokens],
+        inp.query_start_loc_d[: rows + 1], inp.seq_lens_d[:rows],
+        inp.logits_indices_d[:num_sampled], inp.block_tables_d[:rows],
+    )  # fmt: skip
 
 
-def _header_len(batch_type: type) -> int:
-    return 1 + (2 + len(dataclasses.fields(batch_type))) * ITEM_WIDTH  # command, ids, positions
+def send_step(runner: "ModelRunner", step: "PreparedStep") -> None:
+    """Rank 0: broadcast a prepared step (already in its device buffers) to the other ranks."""
+    batch = step.batch
+    if step.graph_batch_size is None:
+        values = (0, step.num_seqs, step.num_tokens, len(batch.logits_indices),
+                  batch.max_query_len, batch.max_seq_len, batch.block_tables.shape[1])  # fmt: skip
+        rows, tokens, sampled = step.num_seqs, step.num_tokens, len(batch.logits_indices)
+    else:  # a graph replays on its bucket's rows, padding included, so those go
+        rows = tokens = sampled = step.graph_batch_size
+        values = (rows, step.num_seqs, step.num_tokens, sampled, 1, 0, 0)
+    header = torch.tensor((Command.STEP, *values), dtype=torch.long)
+    dist.broadcast(header.to(runner.device), src=0)
+    for buffer in _step_buffers(runner, rows, tokens, sampled):
+        dist.broadcast(buffer, src=0)
 
 
-def _encode(item) -> list[int]:
-    if isinstance(item, torch.Tensor):
-        if item.dtype not in INDEX_DTYPES or item.dim() > MAX_DIMS:
-            raise TypeError(f"cannot broadcast a {item.dtype} tensor of {item.dim()} dims")
-        shape = list(item.shape) + [0] * (MAX_DIMS - item.dim())
-        return [Kind.TENSOR, INDEX_DTYPES.index(item.dtype), item.dim(), *shape]
-    if item is None:
-        return [Kind.NONE] + [0] * (ITEM_WIDTH - 1)
-    if isinstance(item, bool | int):
-        kind = Kind.BOOL if isinstance(item, bool) else Kind.INT
-        return [kind, int(item)] + [0] * (ITEM_WIDTH - 2)
-    raise TypeError(f"cannot broadcast a step input of type {type(item).__name__}")
-
-
-def send_step(tp: TensorParallel, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> None:
-    """Rank 0: broadcast one step's inputs (`batch` is the ForwardBatch dataclass)."""
-    items = [input_ids, positions] + [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-    header = [Command.STEP] + [v for item in items for v in _encode(item)]
-    device = input_ids.device
-    dist.broadcast(torch.tensor(header, dtype=torch.long, device=device), src=0)
-    tensors = [t.reshape(-1).long() for t in items if isinstance(t, torch.Tensor)]
-    dist.broadcast(torch.cat(tensors), src=0)
-
-
-def send_stop(tp: TensorParallel, batch_type: type, device: torch.device) -> None:
-    header = torch.zeros(_header_len(batch_type), dtype=torch.long, device=device)
+def send_stop(device: torch.device) -> None:
+    header = torch.zeros(1 + len(HEADER_FIELDS), dtype=torch.long, device=device)
     header[0] = Command.STOP
     dist.broadcast(header, src=0)
 
 
-def receive_step(batch_type: type, device: torch.device):
-    """Ranks > 0: the next step's (input_ids, positions, batch), or None when rank 0 stops."""
-    header = torch.empty(_header_len(batch_type), dtype=torch.long, device=device)
+def receive_step(runner: "ModelRunner") -> "PreparedStep | None":
+    """Ranks > 0: the next step, received into this rank's buffers; None when rank 0 stops."""
+    # Imported here: attention.py and model_runner.py import the layers, which import us.
+    from .attention import ForwardBatch
+    from .model_runner import PreparedStep
+
+    header = torch.empty(1 + len(HEADER_FIELDS), dtype=torch.long, device=runner.device)
     dist.broadcast(header, src=0)
-    header = header.tolist()
-    if header[0] == Command.STOP:
+    command, *values = header.tolist()
+    if command == Command.STOP:
         return None
-    items = [header[1 + i : 1 + i + ITEM_WIDTH] for i in range(0, len(header) - 1, ITEM_WIDTH)]
-    shapes = [it[3 : 3 + it[2]] for it in items if it[0] == Kind.TENSOR]
-    payload = torch.empty(sum(_numel(s) for s in shapes), dtype=torch.long, device=device)
-    dist.broadcast(payload, src=0)
-    values, offset = [], 0
-    for kind, value, ndim, *shape in items:
-        if kind == Kind.TENSOR:
-            numel = _numel(shape[:ndim])
-            tensor = payload[offset : offset + numel].view(shape[:ndim]).to(INDEX_DTYPES[value])
-            values.append(tensor)
-            offset += numel
-        else:
-            values.append({Kind.INT: value, Kind.BOOL: bool(value), Kind.NONE: None}[kind])
-    input_ids, positions, *fields = values
-    return input_ids, positions, batch_type(*fields)
+    h = dict(zip(HEADER_FIELDS, values, strict=True))
+    graph_rows = h["graph_batch_size"] or None
+    rows = graph_rows or h["num_seqs"]
+    tokens, sampled = (rows, rows) if graph_rows else (h["num_tokens"], h["num_sampled"])
+    for buffer in _step_buffers(runner, rows, tokens, sampled):
+        dist.broadcast(buffer, src=0)
+    batch = None
+    if graph_rows is None:  # the buffers' rows, as rank 0's batch views them
+        inp, width = runner.inputs, h["width"]
+        batch = ForwardBatch(
+            query_start_loc=inp.query_start_loc_d[: rows + 1],
+            seq_lens=inp.seq_lens_d[:rows],
+            slot_mapping=inp.slot_mapping_d[:tokens],
+            block_tables=inp.block_tables_d[:rows, :width],
+            logits_indices=inp.logits_indices_d[:sampled],
+            max_query_len=h["max_query_len"],
+            max_seq_len=h["max_seq_len"],
+            block_size=runner.block_size,
+        )
+    return PreparedStep(h["num_seqs"], h["num_tokens"], graph_rows, batch, samples=None)
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+# ---- Processes --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its rank; it crosses a process spawn, so it is picklable."""
+
+    model_dir: str
+    dtype: str | torch.dtype
+    device_type: str  # "cuda" or "cpu"; rank r uses GPU r
+    config: EngineConfig
+    port: int
+    num_threads: int  # torch intra-op threads, as rank 0's (CPU ranks share the cores)
+
+
+class TPWorkers:
+    """Rank 0's handle on ranks 1..size-1: spawned processes that follow rank 0's steps.
+
+    Spawned, not forked: a forked child inherits the parent's CUDA state, which CUDA forbids, and
+    spawning gives every rank the same clean start. Daemon processes die with rank 0 if it is
+    killed; `stop` is the clean way out.
+    """
+
+    def __init__(self, spec: WorkerSpec):
+        size = spec.config.tensor_parallel_size
+        ctx = multiprocessing.get_context("spawn")
+        self.processes = [
+            ctx.Process(target=run_worker, args=(TensorParallel(r, size), spec), daemon=True)
+            for r in range(1, size)
+        ]
+        for process in self.processes:
+            process.start()
+        self.device = rank_device(torch.device(spec.device_type), 0)
+        init_process_group(TensorParallel(0, size), self.device, spec.port)
+        atexit.register(self.stop)  # a script that never calls stop still exits cleanly
+
+    def stop(self) -> None:
+        """Tell the workers to exit, leave the group, and wait for them. Idempotent. Rank 0's
+        CUDA graphs must be gone first (the model runner's `shutdown`)."""
+        if dist.is_initialized():
+            send_stop(self.device)
+            dist.destroy_process_group()
+        for process in self.processes:
+            process.join(JOIN_TIMEOUT_S)
+            if process.is_alive():  # a worker stuck in a collective: do not hang rank 0 with it
+                process.kill()
+                process.join()
+        atexit.unregister(self.stop)
+
+    @property
+    def exitcodes(self) -> list[int | None]:
+        return [p.exitcode for p in self.processes]
+
+
+def start_workers(
+    model_dir: os.PathLike, dtype: str | torch.dtype, device: torch.device, config: EngineConfig
+) -> TPWorkers:
+    """Rank 0: spawn ranks 1..size-1 and form the process group with them."""
+    spec = WorkerSpec(str(model_dir), dtype, device.type, config, free_port(),
+                      torch.get_num_threads())  # fmt: skip
+    return TPWorkers(spec)
+
+
+def run_worker(tp: TensorParallel, spec: WorkerSpec) -> None:
+    """A worker process's whole life: join the group, load its shard, follow rank 0's steps."""
+    torch.set_num_threads(spec.num_threads)
+    device = rank_device(torch.device(spec.device_type), tp.rank)
+    init_process_group(tp, device, spec.port)
+    # Imported here, not at the top: the model's layers import this module for its collectives.
+    from .loader import load_model
+    from .model_runner import ModelRunner
+
+    loaded = load_model(spec.model_dir, spec.dtype, device, tp, spec.config.load_format)
+    runner = ModelRunner(loaded.model, spec.config, block_manager=None)  # never prepares a step
+    try:
+        with torch.inference_mode():
+            while (step := receive_step(runner)) is not None:
+                runner.forward(step)  # logits: rank 0 samples
+    finally:
+        runner.shutdown()  # CUDA graphs hold NCCL work: gone before the process group is
+        dist.destroy_process_group()

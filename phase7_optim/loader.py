@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .config import LOAD_FORMATS
 from .distributed import SINGLE_RANK, TensorParallel
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear, WeightShard
@@ -47,7 +48,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # Old Llama exports store RoPE's inverse frequencies; we compute them instead.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOAD_FORMATS = ("auto", "dummy")  # safetensors from the checkpoint; random weights (benchmarks)
 # Dummy weights as vLLM draws them: uniform in [-1e-3, 1e-3], so bf16 activations stay finite.
 DUMMY_WEIGHT_RANGE = 1e-3
 DUMMY_SEED = 0  # rank r draws from DUMMY_SEED + r

@@ -38,6 +38,7 @@ from .decoder import DecoderLayer
 from .distributed import SINGLE_RANK, TensorParallel
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .kv_cache import KVCache
+from .linear import kv_heads_per_rank
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -174,6 +175,11 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(config, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads this rank computes and caches (all of them without tensor parallelism)."""
+        return kv_heads_per_rank(self.config.num_kv_heads, self.tp)
 
     def tie_weights(self) -> None:
         """A tied head IS the embedding table (the same rank's rows): one tensor, two names.
