@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .distributed import TensorParallel, all_gather_last_dim, all_reduce
-from .linear import WeightShard
+from .linear import WeightShard, linear_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,9 +33,12 @@ class VocabParallelEmbedding(nn.Module):
         self.hidden_size = hidden_size
         rows = tp.split(vocab_size, "vocab_size")
         self.vocab_start, self.vocab_end = tp.rank * rows, (tp.rank + 1) * rows
+        self.weight = self.initial_weight(rows, hidden_size)
+
+    def initial_weight(self, rows: int, hidden_size: int) -> nn.Parameter:
         # Unit-variance rows: after RMSNorm the scale does not matter, and N(0, 1) keeps logits of a
         # random model far from ties, which makes greedy decoding comparable across phases.
-        self.weight = nn.Parameter(torch.randn(rows, hidden_size))
+        return nn.Parameter(torch.randn(rows, hidden_size))
 
     def shard(self, shard_id: None = None) -> WeightShard:
         rows = self.vocab_end - self.vocab_start
@@ -53,6 +56,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden (R, C) -> logits (R, vocab_size) on every rank; same row split as the embedding,
     so a tied head shares the embedding's shard."""
+
+    def initial_weight(self, rows: int, hidden_size: int) -> nn.Parameter:
+        return linear_weight((rows,), hidden_size)  # an nn.Linear's, as phase 0's head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)  # (R, V / size): this rank's ids

@@ -50,11 +50,14 @@ class WeightShard:
         return cls(tuple(shape), 0, 0, shape[0])
 
 
-def _empty_weight(rows: int, cols: int) -> nn.Parameter:
-    # nn.Linear's initialization (uniform, bound 1/sqrt(in)): what a random model starts from.
-    weight = torch.empty(rows, cols)
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    return nn.Parameter(weight)
+def linear_weight(rows: tuple[int, ...], cols: int) -> nn.Parameter:
+    """nn.Linear's initialization (uniform, bound 1/sqrt(cols)) of stacked blocks of rows, drawn
+    block after block: with one rank, a random model gets the weights separate nn.Linears would
+    (phase 0's, given the same seed)."""
+    blocks = [torch.empty(n, cols) for n in rows]
+    for block in blocks:
+        nn.init.kaiming_uniform_(block, a=math.sqrt(5))
+    return nn.Parameter(torch.cat(blocks))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -75,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
             tuple(tp.split(n, "output features") for n in output_sizes) if not local_sizes else ()
         )
         self.local_sizes = local_sizes or even
-        self.weight = _empty_weight(sum(self.local_sizes), input_size)
+        self.weight = linear_weight(self.local_sizes, input_size)
 
     def shard(self, shard_id: int = 0) -> WeightShard:
         size = self.local_sizes[shard_id]
@@ -145,7 +148,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = _empty_weight(output_size, tp.split(input_size, "input features"))
+        self.weight = linear_weight((output_size,), tp.split(input_size, "input features"))
 
     def shard(self, shard_id: None = None) -> WeightShard:
         size = self.weight.shape[1]

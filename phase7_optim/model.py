@@ -24,7 +24,9 @@ Invariants:
   names in place of the tensors they stack;
 - `forward(input_ids, positions, batch, kv_cache)` is phase 5's paged interface, unchanged: packed
   new tokens in, logits of the tokens to sample out, the whole vocabulary on every rank;
-- with `tp.size == 1` nothing communicates, and no process group is needed.
+- with `tp.size == 1` nothing communicates, and no process group is needed;
+- given `torch.manual_seed(s)`, `qk_norm=False` and one rank, the weights equal phase 0's
+  TinyTransformer (same creation order), under HF names, with q/k/v and gate/up stacked.
 """
 
 from dataclasses import dataclass
@@ -173,6 +175,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = Qwen3Model(config, tp)
+        # Created even when tied, so the RNG stream (and thus random weights) match phase 0.
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
 
