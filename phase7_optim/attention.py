@@ -25,19 +25,40 @@ Phase 6 (real checkpoints): Qwen3 RMS-normalizes every head's query and key (`q_
 one gain vector of size head_dim shared by all heads) before RoPE, which keeps attention logits
 from growing with depth. Llama-family models have no such norm; for them the two modules are
 `nn.Identity`, so their state dict has no q_norm/k_norm keys and checkpoints load name for name.
+
+Phase 7 (speed): `context_attention` gathers every context into a padded (S, L) batch and builds
+an fp32 (S, H, Q, L) score matrix; on a GPU that traffic, not arithmetic, is the cost. An attention
+backend is chosen once per KV cache (`select_attention_backend`): on CUDA the Triton kernels
+(kernels/) write K/V with `store_kvcache` and read them in place, through the varlen paged
+FlashAttention kernel when any sequence brings more than one new token (prefill, mixed steps) and
+the paged decode kernel when every sequence brings exactly one (decode-only steps, the ones CUDA
+graphs replay); elsewhere `TorchAttention`, the readable path above. Like cache blocking in a
+matrix multiply: tiles that fit on chip are reused instead of streaming intermediates through
+memory.
+
+Conventions the kernels take as they are (no adapter in between): every integer tensor of a
+`ForwardBatch` is `METADATA_DTYPE` (int32); a padded row, used only to fill a CUDA graph's fixed
+batch, has slot_mapping PAD_SLOT_ID (-1: nothing is written) and seq_len 0 (nothing is read, its
+output is 0); block-table entries past a sequence's last block are never read.
 """
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .kv_cache import KVCache
 from .distributed import SINGLE_RANK, TensorParallel
 from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
+
+if TYPE_CHECKING:  # kv_cache.py picks its backend from this file
+    from .kv_cache import KVCache
+
+METADATA_DTYPE = torch.int32  # slots, lengths and block ids of a ForwardBatch
+PAD_SLOT_ID = -1  # slot_mapping entry of a padded row: the KV-store kernel writes nothing for it
 
 
 @dataclass
@@ -94,6 +115,46 @@ def context_attention(
     return out.transpose(1, 2)[token_seq, token_col]
 
 
+class TorchAttention:
+    """The readable path (CPU, and the oracle on a GPU): phase 6's store and context_attention."""
+
+    def __call__(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        k_cache.flatten(0, 1)[batch.slot_mapping] = k  # (num_blocks * block_size, H_kv, D) view
+        v_cache.flatten(0, 1)[batch.slot_mapping] = v
+        return context_attention(q, k_cache, v_cache, batch)
+
+
+class TritonAttention:
+    """The CUDA path: the kernels read the paged cache in place; no host sync, so a decode step
+    can be captured in a CUDA graph."""
+
+    def __init__(self):
+        # Imported here, not at the top: CPU-only installs (macOS, Windows) may have no Triton.
+        from . import kernels
+
+        self.kernels = kernels
+
+    def __call__(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        self.kernels.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        scale = q.shape[-1] ** -0.5
+        if batch.max_query_len == 1:  # decode-only step: one query per sequence
+            return self.kernels.paged_decode_attention(
+                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale
+            )
+        return self.kernels.flash_attn_varlen_paged(
+            q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            batch.max_query_len, scale,
+        )  # fmt: skip
+
+
+AttentionBackend = TorchAttention | TritonAttention
+
+
+def select_attention_backend(device: torch.device) -> AttentionBackend:
+    """The one place the backend is chosen: Triton kernels on CUDA, torch elsewhere."""
+    return TritonAttention() if device.type == "cuda" else TorchAttention()
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -126,7 +187,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         batch: ForwardBatch,
-        kv_cache: KVCache,
+        kv_cache: "KVCache",
     ) -> torch.Tensor:
         N = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
@@ -135,6 +196,6 @@ class Attention(nn.Module):
         v = v.view(N, self.num_kv_heads, self.head_dim)
         q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE (Qwen3)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
-        kv_cache.store(self.layer_idx, k, v, batch.slot_mapping)
-        out = context_attention(q, kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx], batch)
+        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
+        out = kv_cache.attention_backend(q, k, v, k_cache, v_cache, batch)
         return self.o_proj(out.reshape(N, -1))

@@ -16,8 +16,17 @@ Phase 6: real text. `LLM("path/or/hub-id")` (or `LLM()`, the embedded SmolLM2) l
 and its tokenizer; every request streams its tokens through an incremental detokenizer, stops at
 any of the checkpoint's EOS ids or at a stop string (the text is cut before it), and
 `LLM.chat` renders conversations with the checkpoint's chat template.
+
+Phase 7: the engine's own per-step work must stay small next to a GPU step of a few
+milliseconds. Text is what costs: detokenizing every token of every request each step is tens of
+microseconds a request. So a request's text is caught up only when someone reads it: every step
+for a request with stop strings (they are searched in the text), otherwise when an output is
+built. `LLM.generate` asks for final outputs only (`RequestOutputKind.FINAL_ONLY`, vLLM's name),
+so a request without stop strings is detokenized once, when it finishes.
 """
 
+import atexit
+import enum
 import itertools
 import os
 import time
@@ -30,7 +39,8 @@ from tqdm.auto import tqdm
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .default_model import default_model_dir
-from .loader import load_model
+from .distributed import TensorParallel, start_workers
+from .loader import load_model, resolve_model_dir
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
@@ -59,11 +69,18 @@ class RequestOutput:
     finished: bool
 
 
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # an output every step the request gets a token (streaming)
+    FINAL_ONLY = "final_only"  # one output, when the request finishes (offline generate)
+
+
 @dataclass
 class Request:
     seq: Sequence
     prompt: str | None
-    detokenizer: IncrementalDetokenizer  # its output_text is the request's text so far
+    detokenizer: IncrementalDetokenizer  # its output_text is the text of the tokens fed so far
+    output_kind: RequestOutputKind
+    num_detokenized: int = 0  # output tokens fed to the detokenizer
 
 
 class LLMEngine:
@@ -92,6 +109,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> str:
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
@@ -117,7 +135,7 @@ class LLMEngine:
         seq = Sequence(seq_id, request_id, prompt_ids, params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None,
-                                            detokenizer)  # fmt: skip
+                                            detokenizer, output_kind)  # fmt: skip
         self.scheduler.add(seq)
         return request_id
 
@@ -158,15 +176,21 @@ class LLMEngine:
             seq.token_ids.append(token)
             updated.append(seq)
             reason = self._finish_reason(seq, token)
-            if reason is not FinishReason.STOP:  # a stop token's own text is never shown
-                reason = self._detokenize(seq, token) or reason  # the last token has text too
+            # a stop token's own text is never shown; only stop strings need the text each step
+            if reason is not FinishReason.STOP and seq.params.stop:
+                reason = self._detokenize(seq) or reason  # the last token has text too
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.runner.release(seq)
                 finished.append(seq)
         if self.trace is not None:
             self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
-        outputs = [self._output(seq) for seq in updated]
+        outputs = [
+            self._output(seq)
+            for seq in updated
+            if seq.is_finished
+            or self.requests[seq.request_id].output_kind is RequestOutputKind.CUMULATIVE
+        ]
         for seq in finished:
             del self.requests[seq.request_id]  # delivered: the engine forgets it
         return outputs
@@ -181,10 +205,22 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def _detokenize(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _catch_up_text(self, request: Request, num_tokens: int) -> str:
+        """Feeds the detokenizer the output tokens up to `num_tokens`; returns the new text."""
+        new = request.seq.token_ids[
+            request.seq.num_prompt_tokens + request.num_detokenized :
+            request.seq.num_prompt_tokens + num_tokens
+        ]  # fmt: skip
+        if not new:
+            return ""
+        request.num_detokenized = num_tokens
+        return request.detokenizer.add_tokens(new)
+
+    def _detokenize(self, seq: Sequence) -> FinishReason | None:
         """Extends the request's text; a stop string ends the request, cut before the stop."""
-        detokenizer = self.requests[seq.request_id].detokenizer
-        delta = detokenizer.add_tokens([token])
+        request = self.requests[seq.request_id]
+        delta = self._catch_up_text(request, seq.num_output_tokens)
+        detokenizer = request.detokenizer
         match = find_stop_string(detokenizer.output_text, seq.params.stop, len(delta))
         if match is None:
             return None
@@ -193,6 +229,9 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
+        # every token has text but a stop token (a stop string's request is already caught up)
+        stopped = seq.finish_reason is FinishReason.STOP
+        self._catch_up_text(request, seq.num_output_tokens - stopped)
         if seq.is_finished and seq.finish_reason is not FinishReason.STOP:
             request.detokenizer.flush()  # a character split at max_tokens still shows up
         reason = seq.finish_reason.value if seq.finish_reason else None
@@ -220,9 +259,25 @@ class LLM:
     ):
         config = EngineConfig(**engine_kwargs)  # bad settings fail before the slow load
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(default_model_dir() if model is None else model, dtype, device)
+        model_dir = resolve_model_dir(default_model_dir() if model is None else model)
+        # Tensor parallelism (distributed.py): ranks 1.. load their shards in their own processes
+        # and follow this one's steps; with one rank there is no process group at all.
+        tp = TensorParallel(0, config.tensor_parallel_size)
+        self.workers = None
+        if tp.size > 1:
+            self.workers = start_workers(model_dir, dtype, torch.device(device), config)
+        loaded = load_model(model_dir, dtype, device, tp, config.load_format)
         tokenizer = Tokenizer.from_dir(loaded.model_dir)
         self.engine = LLMEngine(loaded.model, tokenizer, config, trace)
+        if self.workers is not None:
+            atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers: CUDA graphs first, then the process group."""
+        if self.workers is not None:
+            atexit.unregister(self.shutdown)
+            self.engine.runner.shutdown()
+            self.workers.stop()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -264,7 +319,7 @@ class LLM:
         ids = []
         try:
             for p, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(p, sp))
+                ids.append(self.engine.add_request(p, sp, output_kind=RequestOutputKind.FINAL_ONLY))
         except ValueError:
             for i in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.engine.abort_request(i)

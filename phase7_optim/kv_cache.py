@@ -8,20 +8,24 @@ this file only stores and holds tensors. A token's slot is block_id * block_size
 model can write through a flat `slot_mapping` exactly as in phase 4.
 
 Invariant: slot s lives at [s // block_size, s % block_size].
+
+Phase 7: the cache also carries the attention backend that writes and reads it (attention.py),
+chosen once from its device: the kernels on CUDA, the torch path elsewhere.
 """
 
 import torch
 
+from .attention import AttentionBackend, select_attention_backend
+
 
 class KVCache:
-    """The block pool's tensors: keys and values of every layer."""
+    """The block pool's tensors: keys and values of every layer, and the backend using them."""
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    def __init__(
+        self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+        attention_backend: AttentionBackend | None = None,  # None: the device's default
+    ):  # fmt: skip
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
-        """Writes new keys/values (N, H_kv, D) into their slots (N,)."""
-        self.k[layer].flatten(0, 1)[slot_mapping] = k  # (num_blocks * block_size, H_kv, D) view
-        self.v[layer].flatten(0, 1)[slot_mapping] = v
+        self.attention_backend = attention_backend or select_attention_backend(torch.device(device))

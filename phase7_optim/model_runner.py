@@ -6,21 +6,125 @@ ids, their positions (num_computed_tokens onwards) and their cache slots, pack a
 one flat batch, run the model once, and sample a token for each sequence whose new tokens reach
 its end (a sequence still mid-prompt samples nothing).
 
-The runner owns the KV cache tensors and one `Sampler` per request (its seeded random stream
-survives preemption); it never decides who runs.
+The runner owns the KV cache tensors and one `torch.Generator` per seeded request (its random
+stream survives preemption); it never decides who runs.
 
 Phase 5: slots come from block tables, and the block tables travel to attention in the batch.
+
+Phase 7 (speed): on a GPU, phase 6 spent most of a decode step in Python and in launches: lists
+built token by token, new tensors every step, one sampler call and one host sync per request.
+- `StepInputs` fills preallocated (pinned) host arrays with numpy, with no per-token Python loop,
+  and copies them to preallocated device buffers without blocking; each sequence's block table is
+  kept as a numpy row that only grows by the blocks added since the last step.
+- Decode-only steps (every scheduled sequence brings one token and samples) replay a CUDA graph
+  captured for the smallest bucket that holds the batch (cuda_graph.py); other steps run eagerly.
+- `sample_batch` samples the whole batch on the device; `.tolist()` is the step's only
+  device-to-host copy and its only sync.
+- Tensor parallelism (distributed.py): rank 0's runner broadcasts each prepared step's buffers
+  before running it; the other ranks' runners only receive steps and run `forward`, never
+  `prepare` or sampling, and their KV caches hold their ranks' KV heads.
 """
 
+import numpy as np
 import torch
 
-from .attention import ForwardBatch
+from .attention import METADATA_DTYPE, PAD_SLOT_ID, ForwardBatch
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cuda_graph import DecodeGraphs, decode_buckets
+from .distributed import send_step
 from .kv_cache import KVCache
 from .model import Qwen3ForCausalLM
-from .sampling import Sampler
+from .sampling import SamplingBatch, sample_batch
 from .sequence import Sequence
+
+
+class BlockTableRow:
+    """One sequence's block table as a numpy row, appended to as its table grows."""
+
+    def __init__(self, table: list[int], max_blocks: int):
+        self.source = table  # the block manager's list: a new list means a new table (preemption)
+        self.ids = np.zeros(max_blocks, dtype=np.int32)
+        self.num_blocks = 0
+
+    def sync(self) -> None:
+        n = len(self.source)
+        if n > self.num_blocks:
+            self.ids[self.num_blocks : n] = self.source[self.num_blocks : n]
+            self.num_blocks = n
+
+
+class StepInputs:
+    """Host and device buffers of one step's inputs, allocated once at their largest size.
+
+    `inputs.<name>` is a numpy view of a (pinned) host buffer, `inputs.<name>_d` its device
+    twin. Rows past the batch (up to a CUDA graph's bucket) are padding: slot PAD_SLOT_ID (writes
+    nowhere) and seq_len 0 (reads nothing), the convention of attention.py.
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (host, device)
+        self.input_ids, self.input_ids_d = self._buffer("input_ids", max_tokens, dtype=torch.long)
+        self.positions, self.positions_d = self._buffer("positions", max_tokens, dtype=torch.long)
+        self.slot_mapping, self.slot_mapping_d = self._buffer("slot_mapping", max_tokens)
+        self.query_start_loc, self.query_start_loc_d = self._buffer("query_start_loc", max_seqs + 1)
+        self.seq_lens, self.seq_lens_d = self._buffer("seq_lens", max_seqs)
+        self.logits_indices, self.logits_indices_d = self._buffer("logits_indices", max_seqs)
+        self.block_tables, self.block_tables_d = self._buffer("block_tables", max_seqs, max_blocks)
+        self.slot_mapping_d.fill_(PAD_SLOT_ID)  # graph capture and warm-up write nothing
+        # The host buffers are rewritten next step; the copies reading them must be done by then.
+        self.copied = torch.cuda.Event() if self.on_gpu else None
+
+    def _buffer(self, name, *shape, dtype=METADATA_DTYPE) -> tuple[np.ndarray, torch.Tensor]:
+        # Pinned pages let the copy run without blocking the host; on CPU the model reads the
+        # host buffer itself.
+        host = torch.zeros(shape, dtype=dtype, pin_memory=self.on_gpu)
+        dev = host.to(self.device) if self.on_gpu else host
+        self.pairs[name] = (host, dev)
+        return host.numpy(), dev
+
+    def wait_for_copies(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()  # long done in practice: the last step's tokens were read
+
+    def copy_to_device(self, num_tokens: int, num_seqs: int, width: int) -> None:
+        if not self.on_gpu:
+            return
+        for name, n in (
+            ("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
+            ("query_start_loc", num_seqs + 1), ("seq_lens", num_seqs),
+            ("logits_indices", num_seqs),
+        ):  # fmt: skip
+            host, dev = self.pairs[name]
+            dev[:n].copy_(host[:n], non_blocking=True)
+        host, dev = self.pairs["block_tables"]
+        dev[:num_seqs, :width].copy_(host[:num_seqs, :width], non_blocking=True)
+        self.copied.record()
+
+    def batch(self, num_seqs, num_sampled, max_query_len, max_seq_len, width, block_size):
+        return ForwardBatch(
+            query_start_loc=self.query_start_loc_d[: num_seqs + 1],
+            seq_lens=self.seq_lens_d[:num_seqs],
+            slot_mapping=self.slot_mapping_d[: int(self.query_start_loc[num_seqs])],
+            block_tables=self.block_tables_d[:num_seqs, :width],
+            logits_indices=self.logits_indices_d[:num_sampled],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+        )
+
+
+class PreparedStep:
+    """What `prepare` made of a schedule: the model's inputs, and how to read its outputs."""
+
+    def __init__(self, num_seqs, num_tokens, graph_batch_size, batch, samples):
+        self.num_seqs = num_seqs
+        self.num_tokens = num_tokens
+        self.graph_batch_size = graph_batch_size  # the CUDA graph bucket, or None: run eagerly
+        self.batch = batch  # ForwardBatch of an eager step, None for a graph replay
+        self.samples = samples  # (S,) bool numpy: which scheduled sequences sample a token
 
 
 class ModelRunner:
@@ -31,58 +135,145 @@ class ModelRunner:
         c = model.config
         dtype = model.lm_head.weight.dtype
         self.kv_cache = KVCache(
-            c.num_layers, config.num_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim,
-            dtype, self.device,
+            c.num_layers, config.num_kv_blocks, config.block_size, model.num_kv_heads_per_rank,
+            c.head_dim, dtype, self.device,
         )  # fmt: skip
-        self.samplers: dict[int, Sampler] = {}  # seq_id -> its sampler
+        self.block_size = config.block_size
+        # A block table never outgrows the model's context (the engine rejects longer requests).
+        self.max_blocks = -(-min(c.max_position_embeddings, config.num_kv_slots) // self.block_size)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.inputs = StepInputs(max_tokens, config.max_num_seqs, self.max_blocks, self.device)
+        self.rows: dict[int, BlockTableRow] = {}  # seq_id -> its block table on the host
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's stream
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            buckets = decode_buckets(config.max_num_seqs)
+            self.graphs = DecodeGraphs(self._decode_forward, buckets)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        """Packs the scheduled sequences: -> (input_ids (N,), positions (N,), ForwardBatch)."""
-        input_ids, positions, query_start_loc, seq_lens, logits_indices = [], [], [0], [], []
-        slot_mapping = []
-        for seq, num_new in scheduled:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slot_mapping += [self.block_manager.slot(seq.seq_id, p) for p in range(start, end)]
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(end)
-            if end == seq.num_tokens:  # caught up: the last token's logits pick the next one
-                logits_indices.append(query_start_loc[-1] - 1)
-        tables = [self.block_manager.block_tables[seq.seq_id] for seq, _ in scheduled]
-        width = max(len(t) for t in tables)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> PreparedStep:
+        """Packs the scheduled sequences into the input buffers and queues their copy."""
+        inp, S = self.inputs, len(scheduled)
+        inp.wait_for_copies()
+        tables = inp.block_tables
+        starts = np.empty(S, dtype=np.int64)
+        num_new = np.empty(S, dtype=np.int64)
+        num_tokens = np.empty(S, dtype=np.int64)
+        token_ids: list[int] = []
+        for i, (seq, n) in enumerate(scheduled):  # per sequence, never per token
+            start = seq.num_computed_tokens
+            starts[i], num_new[i], num_tokens[i] = start, n, seq.num_tokens
+            token_ids += seq.token_ids[start : start + n]
+            row = self._block_table_row(seq)
+            tables[i, : row.num_blocks] = row.ids[: row.num_blocks]
+        ends = starts + num_new
+        qsl = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(num_new, out=qsl[1:])
+        N = int(qsl[-1])
+        token_seq = np.repeat(np.arange(S), num_new)  # (N,) which sequence each token is in
+        positions = np.arange(N) + np.repeat(starts - qsl[:-1], num_new)
+        samples = ends == num_tokens  # caught up: the last token's logits pick the next one
+        width = int(-(-ends.max() // self.block_size))
+
+        graph_batch_size = None
+        if self.graphs is not None and N == S and samples.all():
+            graph_batch_size = self.graphs.bucket_for(S)
+        rows = graph_batch_size or S  # padded rows S..rows-1 write nowhere and read nothing
+        inp.input_ids[:N] = token_ids
+        inp.positions[:N] = positions
+        slots = tables[token_seq, positions // self.block_size] * self.block_size
+        inp.slot_mapping[:N] = slots + positions % self.block_size
+        inp.query_start_loc[: S + 1] = qsl
+        inp.seq_lens[:S] = ends
+        inp.logits_indices[: int(samples.sum())] = qsl[1:][samples] - 1
+        if rows > S:
+            self._pad(S, rows, N)
+        inp.copy_to_device(N + rows - S, rows, width)
+        batch = None
+        if graph_batch_size is None:
+            batch = inp.batch(S, int(samples.sum()), int(num_new.max()), int(ends.max()), width,
+                              self.block_size)  # fmt: skip
+        return PreparedStep(S, N, graph_batch_size, batch, samples)
+
+    def _pad(self, num_seqs: int, rows: int, num_tokens: int) -> None:
+        inp, pad = self.inputs, rows - num_seqs
+        inp.input_ids[num_tokens : num_tokens + pad] = 0
+        inp.positions[num_tokens : num_tokens + pad] = 0
+        inp.slot_mapping[num_tokens : num_tokens + pad] = PAD_SLOT_ID
+        inp.seq_lens[num_seqs:rows] = 0
+        inp.query_start_loc[num_seqs + 1 : rows + 1] = num_tokens + np.arange(1, pad + 1)
+        inp.logits_indices[num_seqs:rows] = np.arange(num_seqs, rows)
+
+    def _block_table_row(self, seq: Sequence) -> BlockTableRow:
+        table = self.block_manager.block_tables[seq.seq_id]
+        row = self.rows.get(seq.seq_id)
+        if row is None or row.source is not table:
+            row = self.rows[seq.seq_id] = BlockTableRow(table, self.max_blocks)
+        row.sync()
+        return row
+
+    def _decode_forward(self, rows: int) -> torch.Tensor:
+        """A decode step over the first `rows` rows of the device buffers (what graphs capture):
+        one token per sequence, every sequence samples -> logits (rows, V)."""
+        inp = self.inputs
         batch = ForwardBatch(
-            query_start_loc=as_tensor(query_start_loc),
-            seq_lens=as_tensor(seq_lens),
-            slot_mapping=as_tensor(slot_mapping),
-            block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables]),  # 0: never read
-            logits_indices=as_tensor(logits_indices),
-            max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens),
-            block_size=self.block_manager.block_size,
+            query_start_loc=inp.query_start_loc_d[: rows + 1],
+            seq_lens=inp.seq_lens_d[:rows],
+            slot_mapping=inp.slot_mapping_d[:rows],
+            block_tables=inp.block_tables_d[:rows],  # full width: any context fits the replay
+            logits_indices=inp.logits_indices_d[:rows],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size,
+            block_size=self.block_size,
         )
-        return as_tensor(input_ids), as_tensor(positions), batch
+        return self.model(inp.input_ids_d[:rows], inp.positions_d[:rows], batch, self.kv_cache)
+
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """Logits (R, V) of the sequences that sample, on the device (no sync)."""
+        if step.graph_batch_size is not None:
+            return self.graphs.replay(step.graph_batch_size)[: step.num_seqs]
+        input_ids = self.inputs.input_ids_d[: step.num_tokens]
+        positions = self.inputs.positions_d[: step.num_tokens]
+        return self.model(input_ids, positions, step.batch, self.kv_cache)
+
+    @torch.no_grad()
+    def execute(self, scheduled: list[tuple[Sequence, int]], step: PreparedStep) -> torch.Tensor:
+        """Forward and sampling, queued on the device: -> token ids (R,) of the sampling rows."""
+        if self.model.tp.size > 1:  # tensor parallelism: the other ranks run this step too
+            send_step(self, step)
+        logits = self.forward(step)
+        chosen = [s for (s, _), f in zip(scheduled, step.samples.tolist(), strict=True) if f]
+        if not chosen:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        generators = [self._generator(s) for s in chosen]
+        batch = SamplingBatch.build(
+            [s.params for s in chosen], generators, logits.shape[-1], self.device
+        )
+        return sample_batch(logits, batch)
 
     @torch.no_grad()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
         """One forward step. Returns the sampled token per scheduled sequence (None mid-prompt)."""
-        input_ids, positions, batch = self.prepare(scheduled)
-        logits = self.model(input_ids, positions, batch, self.kv_cache)  # (R, V)
-        samples = [s.num_computed_tokens + n == s.num_tokens for s, n in scheduled]
-        chosen = [s for (s, _), f in zip(scheduled, samples, strict=True) if f]
-        tokens = iter(self.sample(logits, chosen))
-        return [next(tokens) if f else None for f in samples]
+        step = self.prepare(scheduled)
+        tokens = iter(self.execute(scheduled, step).tolist())  # the one device -> host copy
+        return [next(tokens) if f else None for f in step.samples.tolist()]
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        if all(s.params.greedy for s in seqs):
-            return logits.argmax(dim=-1).tolist()  # one host transfer for the whole batch
-        tokens = []
-        for row, seq in zip(logits, seqs, strict=True):
-            if seq.seq_id not in self.samplers:
-                self.samplers[seq.seq_id] = Sampler(seq.params, self.device)
-            tokens.append(self.samplers[seq.seq_id](row))
-        return tokens
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None  # the device's default stream: nobody asked to reproduce it
+        generator = self.generators.get(seq.seq_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seq.params.seed)
+            self.generators[seq.seq_id] = generator
+        return generator
 
     def release(self, seq: Sequence) -> None:
-        self.samplers.pop(seq.seq_id, None)
+        self.generators.pop(seq.seq_id, None)
+        self.rows.pop(seq.seq_id, None)
+
+    def shutdown(self) -> None:
+        """Frees the CUDA graphs: with tensor parallelism they hold NCCL work, so they must go
+        before the process group does (distributed.py)."""
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

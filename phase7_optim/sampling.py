@@ -14,11 +14,25 @@ From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; 
 
 Every request owns a `torch.Generator`: with `seed` set, the same request gives the same text no
 matter what else runs beside it (that matters once requests share a batch, phase 3 onwards).
+
+Phase 7: `Sampler` draws one row at a time with its own kernels and a host transfer per request;
+at 256 requests a step that is hundreds of launches and syncs. `sample_batch` does the whole batch
+in one pass with per-row parameter tensors (`SamplingBatch`) and returns a device tensor, so the
+engine copies tokens to the host once per step. It follows vLLM's order, which differs from the
+one above: temperature, then min-p, then top-k, then top-p on what top-k left. (min-p compares
+ratios to the top token, which top-k keeps, so only top-p's nucleus can differ: computed after
+min-p here, before it in `filtered_logits`.) It draws with the exponential race (Gumbel-max):
+argmax(probs / E) with E ~ Exponential(1) picks token i with probability probs[i], without the
+cumulative-sum search of `torch.multinomial`, and without any sort unless a row asks for top-k or
+top-p. Greedy rows take the exact argmax of the logits. A seeded request draws its noise row from
+its own generator, so its tokens do not depend on what shares its batch.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+TINY = torch.finfo(torch.float32).tiny  # noise floor: E == 0 would divide 0 / 0 for a dropped token
 
 
 @dataclass(frozen=True)
@@ -106,3 +120,75 @@ class Sampler:
             return int(logits.argmax())
         probs = torch.softmax(filtered_logits(logits, self.params), dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters as per-row tensors (R rows, on the logits' device)."""
+
+    temperature: torch.Tensor  # (R,) float32; 1.0 on greedy rows (never divides by 0)
+    min_p: torch.Tensor  # (R,) float32; 0.0 = off
+    top_k: torch.Tensor  # (R,) int64; vocab_size = off
+    top_p: torch.Tensor  # (R,) float32; 1.0 = off
+    greedy: torch.Tensor  # (R,) bool
+    # host-side summaries, so whole passes no row needs are skipped without a device sync
+    all_greedy: bool
+    any_min_p: bool
+    any_top_k_top_p: bool
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (row, generator)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],  # per row: the request's own, or None
+        vocab_size: int,
+        device: torch.device,
+    ) -> "SamplingBatch":
+        greedy = [p.greedy for p in params]
+        top_k = [vocab_size if p.top_k is None else min(p.top_k, vocab_size) for p in params]
+        to = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
+        return cls(
+            temperature=to([1.0 if p.greedy else p.temperature for p in params], torch.float32),
+            min_p=to([p.min_p for p in params], torch.float32),
+            top_k=to(top_k, torch.int64),
+            top_p=to([p.top_p for p in params], torch.float32),
+            greedy=to(greedy, torch.bool),
+            all_greedy=all(greedy),
+            any_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
+            any_top_k_top_p=any(
+                not p.greedy and (p.top_k is not None or p.top_p < 1.0) for p in params
+            ),
+            seeded=[(i, g) for i, g in enumerate(generators) if g is not None],
+        )
+
+
+def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes what per-row top-k, then top-p on the top-k survivors, drop. probs: (R, V), rows
+    need not sum to 1 (min-p may have zeroed some)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    sorted_probs = sorted_probs.masked_fill(rank[None, :] >= top_k[:, None], 0.0)
+    kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # strictly more likely tokens
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None] * kept_mass, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits (R, V) -> token ids (R,) int64, on the device: no host sync."""
+    logits = logits.float()
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_tokens
+    probs = torch.softmax(logits / batch.temperature[:, None], dim=-1)
+    if batch.any_min_p:
+        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    if batch.any_top_k_top_p:
+        probs = top_k_top_p(probs, batch.top_k, batch.top_p)
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in batch.seeded:  # only seeded rows loop: one launch each
+        noise[row].exponential_(generator=generator)
+    sampled = (probs / noise.clamp_min_(TINY)).argmax(dim=-1)  # sample_gumbel_no_sync
+    return torch.where(batch.greedy, greedy_tokens, sampled)

@@ -17,6 +17,7 @@ Idea (vLLM's PagedAttention v2, FlashDecoding):
 
 Invariants:
 - the query of sequence i is position seq_len_i - 1: it sees keys 0 … seq_len_i - 1, all of them.
+  A padded row (seq_len 0, what fills a CUDA graph's fixed batch) reads no key and outputs 0.
 - split s covers positions [s * tokens_per_split, min((s + 1) * tokens_per_split, seq_len)); a
   split past the end of a short sequence is empty, writes lse = -inf and gets weight 0.
 - lse is in log2 units, like the scores (scale is pre-multiplied by log2(e)).
@@ -166,11 +167,15 @@ def _paged_decode_reduce_kernel(
     split_mask = offs_s < num_splits
     lse_ptrs = part_lse_ptr + seq * stride_lses + head * stride_lseh + offs_s
     lse = tl.load(lse_ptrs, mask=split_mask, other=float("-inf"))
-    weight = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    lse_max = tl.max(lse, 0)
+    # a padded row (seq_len 0) has only empty splits: every weight 0, output 0, never NaN
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.math.exp2(lse - lse_max)  # an empty split: exp2(-inf) = 0
     part_ptrs = part_out_ptr + seq.to(tl.int64) * stride_pos + head * stride_poh
     part_ptrs += offs_s[:, None] * stride_pop + offs_d[None, :]
     parts = tl.load(part_ptrs, mask=split_mask[:, None], other=0.0)  # (BLOCK_SPLITS, HEAD_DIM)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    weight_sum = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(weight_sum > 0, weight_sum, 1.0)
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
@@ -187,7 +192,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[num_seqs, H, D]`, over its paged context.
 
-    seq_lens: int32 `[num_seqs]`, context length including this step's token (>= 1).
+    seq_lens: int32 `[num_seqs]`, context length including this step's token (0: a padded row).
     block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
     num_splits: None picks one from the batch and `max_blocks_per_seq * block_size` (an upper
     bound on the context read without a device sync).
