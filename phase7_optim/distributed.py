@@ -230,6 +230,8 @@ class TPWorkers:
         CUDA graphs must be gone first (the model runner's `shutdown`)."""
         if dist.is_initialized():
             send_stop(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the stop is sent before NCCL goes away
             dist.destroy_process_group()
         for process in self.processes:
             process.join(JOIN_TIMEOUT_S)
