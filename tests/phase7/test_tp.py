@@ -236,14 +236,21 @@ def test_parallel_layers_and_model_match_unsharded(mqa_dir):
 # ---- The engine ------------------------------------------------------------------------------
 
 
+# A 16-token budget chunks the 40-token prompt; alone, its first steps sample nothing (the LM
+# head gathers zero rows).
+ENGINE = dict(dtype="float32", max_num_batched_tokens=16)
+
+
 def greedy_tokens(llm: LLM) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs += llm.generate([PROMPTS[2]], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_tp2_engine_gives_tp1_greedy_tokens_and_shuts_down(tiny_dir):
-    want = greedy_tokens(LLM(tiny_dir, dtype="float32"))
-    llm = LLM(tiny_dir, dtype="float32", tensor_parallel_size=TP)
+    want = greedy_tokens(LLM(tiny_dir, **ENGINE))
+    llm = LLM(tiny_dir, **ENGINE, tensor_parallel_size=TP)
     try:
         assert greedy_tokens(llm) == want
     finally:
@@ -251,6 +258,21 @@ def test_tp2_engine_gives_tp1_greedy_tokens_and_shuts_down(tiny_dir):
     workers = llm.workers
     assert workers.exitcodes == [0] * (TP - 1), "workers exit cleanly"
     assert not dist.is_initialized(), "rank 0 left the process group"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < TP, reason=f"needs {TP} GPUs")
+def test_tp2_on_gpus_gives_tp1_greedy_tokens(tiny_dir):
+    """NCCL, the Triton kernels, and decode steps replayed from CUDA graphs that hold
+    all-reduces: float32, so the sums' order is the only difference."""
+    want = greedy_tokens(LLM(tiny_dir, **ENGINE, device="cuda"))
+    llm = LLM(tiny_dir, **ENGINE, device="cuda", tensor_parallel_size=TP)
+    try:
+        assert llm.engine.runner.graphs is not None, "decode steps replay CUDA graphs"
+        assert greedy_tokens(llm) == want
+    finally:
+        llm.shutdown()
+    assert llm.workers.exitcodes == [0] * (TP - 1) and not dist.is_initialized()
 
 
 def test_dummy_weights_need_only_a_config(tmp_path, mqa_dir):
