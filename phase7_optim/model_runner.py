@@ -39,19 +39,46 @@ from .sampling import SamplingBatch, sample_batch
 from .sequence import Sequence
 
 
-class BlockTableRow:
-    """One sequence's block table as a numpy row, appended to as its table grows."""
+class HostBlockTables:
+    """The block manager's tables mirrored as numpy rows, one per sequence, each appended to as
+    its table grows: a step copies new block ids only, then gathers its rows in one operation."""
 
-    def __init__(self, table: list[int], max_blocks: int):
-        self.source = table  # the block manager's list: a new list means a new table (preemption)
-        self.ids = np.zeros(max_blocks, dtype=np.int32)
-        self.num_blocks = 0
+    INITIAL_ROWS = 64  # grows by doubling: preempted sequences keep their row until they finish
 
-    def sync(self) -> None:
-        n = len(self.source)
-        if n > self.num_blocks:
-            self.ids[self.num_blocks : n] = self.source[self.num_blocks : n]
-            self.num_blocks = n
+    def __init__(self, max_blocks: int):
+        self.ids = np.zeros((self.INITIAL_ROWS, max_blocks), dtype=np.int32)
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+        self.sources: list[list[int] | None] = [None] * self.INITIAL_ROWS  # the mirrored lists
+        self.num_blocks = [0] * self.INITIAL_ROWS
+        self.free_rows = list(range(self.INITIAL_ROWS - 1, -1, -1))
+
+    def row(self, seq_id: int, table: list[int]) -> int:
+        """`seq_id`'s row, brought up to date with `table` (the block manager's list for it)."""
+        r = self.row_of.get(seq_id)
+        if r is None:
+            r = self.row_of[seq_id] = self._take_row()
+        if self.sources[r] is not table:  # a new list: first use, or rebuilt after preemption
+            self.sources[r], self.num_blocks[r] = table, 0
+        done, n = self.num_blocks[r], len(table)
+        if n > done:
+            self.ids[r, done:n] = table[done:n]
+            self.num_blocks[r] = n
+        return r
+
+    def _take_row(self) -> int:
+        if not self.free_rows:
+            old = len(self.sources)
+            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+            self.sources += [None] * old
+            self.num_blocks += [0] * old
+            self.free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self.free_rows.pop()
+
+    def release(self, seq_id: int) -> None:
+        r = self.row_of.pop(seq_id, None)
+        if r is not None:
+            self.sources[r] = None
+            self.free_rows.append(r)
 
 
 class StepInputs:
@@ -143,7 +170,7 @@ class ModelRunner:
         self.max_blocks = -(-min(c.max_position_embeddings, config.num_kv_slots) // self.block_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = StepInputs(max_tokens, config.max_num_seqs, self.max_blocks, self.device)
-        self.rows: dict[int, BlockTableRow] = {}  # seq_id -> its block table on the host
+        self.host_block_tables = HostBlockTables(self.max_blocks)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's stream
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -154,25 +181,25 @@ class ModelRunner:
         """Packs the scheduled sequences into the input buffers and queues their copy."""
         inp, S = self.inputs, len(scheduled)
         inp.wait_for_copies()
-        tables = inp.block_tables
-        starts = np.empty(S, dtype=np.int64)
-        num_new = np.empty(S, dtype=np.int64)
-        num_tokens = np.empty(S, dtype=np.int64)
-        token_ids: list[int] = []
-        for i, (seq, n) in enumerate(scheduled):  # per sequence, never per token
+        starts, num_new, num_tokens, rows, token_ids = [], [], [], [], []
+        mirror, tables = self.host_block_tables, self.block_manager.block_tables
+        for seq, n in scheduled:  # per sequence, never per token
             start = seq.num_computed_tokens
-            starts[i], num_new[i], num_tokens[i] = start, n, seq.num_tokens
+            starts.append(start)
+            num_new.append(n)
+            num_tokens.append(len(seq.token_ids))
             token_ids += seq.token_ids[start : start + n]
-            row = self._block_table_row(seq)
-            tables[i, : row.num_blocks] = row.ids[: row.num_blocks]
+            rows.append(mirror.row(seq.seq_id, tables[seq.seq_id]))
+        starts, num_new = np.array(starts), np.array(num_new)
         ends = starts + num_new
         qsl = np.zeros(S + 1, dtype=np.int64)
         np.cumsum(num_new, out=qsl[1:])
         N = int(qsl[-1])
         token_seq = np.repeat(np.arange(S), num_new)  # (N,) which sequence each token is in
         positions = np.arange(N) + np.repeat(starts - qsl[:-1], num_new)
-        samples = ends == num_tokens  # caught up: the last token's logits pick the next one
+        samples = ends == np.array(num_tokens)  # caught up: the last token's logits pick the next
         width = int(-(-ends.max() // self.block_size))
+        inp.block_tables[:S, :width] = mirror.ids[rows, :width]
 
         graph_batch_size = None
         if self.graphs is not None and N == S and samples.all():
@@ -180,7 +207,7 @@ class ModelRunner:
         rows = graph_batch_size or S  # padded rows S..rows-1 write nowhere and read nothing
         inp.input_ids[:N] = token_ids
         inp.positions[:N] = positions
-        slots = tables[token_seq, positions // self.block_size] * self.block_size
+        slots = inp.block_tables[token_seq, positions // self.block_size] * self.block_size
         inp.slot_mapping[:N] = slots + positions % self.block_size
         inp.query_start_loc[: S + 1] = qsl
         inp.seq_lens[:S] = ends
@@ -202,14 +229,6 @@ class ModelRunner:
         inp.seq_lens[num_seqs:rows] = 0
         inp.query_start_loc[num_seqs + 1 : rows + 1] = num_tokens + np.arange(1, pad + 1)
         inp.logits_indices[num_seqs:rows] = np.arange(num_seqs, rows)
-
-    def _block_table_row(self, seq: Sequence) -> BlockTableRow:
-        table = self.block_manager.block_tables[seq.seq_id]
-        row = self.rows.get(seq.seq_id)
-        if row is None or row.source is not table:
-            row = self.rows[seq.seq_id] = BlockTableRow(table, self.max_blocks)
-        row.sync()
-        return row
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
         """A decode step over the first `rows` rows of the device buffers (what graphs capture):
@@ -269,7 +288,7 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
-        self.rows.pop(seq.seq_id, None)
+        self.host_block_tables.release(seq.seq_id)
 
     def shutdown(self) -> None:
         """Frees the CUDA graphs: with tensor parallelism they hold NCCL work, so they must go

@@ -36,6 +36,11 @@ TOLERANCES = {
     torch.float16: dict(atol=2e-3, rtol=2e-3),
     torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
 }
+# ‖out - ref‖ / ‖ref‖ over the whole output. Elementwise tolerances alone are blind to a kernel that
+# ignores part of a long context: averaged over 32k random keys every output element is tiny, so
+# dropping the last 4,768 keys moves each by less than atol (test_relative_error_sees_a_dropped_
+# context_tail). The norm ratio compares the error with the signal instead.
+REL_ERRORS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 CPU = torch.device("cpu")
 # Triton runs CPU tensors only under its interpreter (what conftest.py turns on without CUDA)
 interpreter = pytest.mark.skipif(
@@ -44,10 +49,17 @@ interpreter = pytest.mark.skipif(
 CUDA = torch.device("cuda")
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
 def assert_allclose(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     assert torch.isfinite(actual).all(), "non-finite output (an unwritten or empty row?)"
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[actual.dtype])
+    error = relative_error(actual, expected)
+    assert error < REL_ERRORS[actual.dtype], f"relative error {error:.2e}"
 
 
 @dataclass
@@ -123,6 +135,19 @@ def test_reference_matches_sdpa_on_contiguous_prefill():
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
         ).transpose(0, 1)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_relative_error_sees_a_dropped_context_tail():
+    """The failure the norm ratio exists for: a decode over a 32k context that skips its last
+    4,768 keys passes the elementwise bf16 tolerance, and fails the relative error."""
+    b = make_paged_batch([1], [32767], 2, 1, 64, 256, torch.float32, CPU)
+    args = (b.q, b.k_cache, b.v_cache)
+    full = paged_decode_attention_ref(*args, b.seq_lens, b.block_tables, b.scale)
+    short = paged_decode_attention_ref(*args, b.seq_lens - 4768, b.block_tables, b.scale)
+    full, short = full.bfloat16(), short.bfloat16()
+    torch.testing.assert_close(short.float(), full.float(), **TOLERANCES[torch.bfloat16])
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_allclose(short, full)
 
 
 # ---- CPU: Triton interpreter, small shapes ------------------------------------------------------
@@ -279,7 +304,21 @@ def test_gpu_paged_decode(dtype, num_heads, num_kv_heads, head_dim, block_size, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [None, 1, 64])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_gpu_paged_decode_32k(block_size, num_splits):
+@pytest.mark.parametrize("q_scale", [1.0, 8.0])  # 8: peaky scores, a few keys dominate
+def test_gpu_paged_decode_32k(block_size, num_splits, q_scale):
     context_lens = [32767, 20000, 0, 512]
     batch = make_paged_batch([1] * 4, context_lens, 16, 8, 128, block_size, torch.bfloat16, CUDA)
+    batch.q *= q_scale
     check_decode(batch, num_splits)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_decode_padded_rows_read_nothing():
+    """seq_len 0 (a CUDA graph's padding): output 0, the real rows unchanged."""
+    batch = make_paged_batch([1] * 3, [700, 0, 31], 16, 8, 128, 16, torch.bfloat16, CUDA)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, batch.scale)
+    expected = paged_decode_attention(*args)
+    batch.seq_lens[1] = 0
+    out = paged_decode_attention(*args)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[[0, 2]], expected[[0, 2]])

@@ -1,0 +1,337 @@
+"""Phase 7 on the H200: workload W through the fast engine, against phase 6 and transformers.
+
+All in one run, on a random Qwen3-0.6B-shaped bf16 checkpoint (throughput does not depend on the
+weights' values) with the real Qwen3 tokenizer files beside it:
+1. workload W (256 requests, 142,827 prompt and 133,966 output tokens, temperature 0.6,
+   ignore_eos): phase 7's output tok/s, prefill included; then the same run again with every
+   step timed: host ms (schedule + prepare + sampling launch + outputs, the wall time of the step
+   minus its GPU time) and GPU ms (CUDA events around forward + sampling), per step kind, and
+   the bytes each decode step must read (weights + KV) against the copy bandwidth;
+2. the 64-request slice of W with outputs capped at 256 (benchmarks/phase6_qwen3_gpu.py):
+   phase 6, transformers' static `generate`, and phase 7, all in this run;
+3. single-stream decode, a 512-token prompt and 256 new tokens, greedy: eager vs CUDA graphs,
+   ms per output token after the first (wall time minus time to first token, over 255).
+Targets: W >= 20,000 output tok/s, single stream <= 1.0 ms/token; where short, the JSON says by
+how much and what bounds it.
+
+Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--out FILE]
+`--out` defaults to a scratch file; pass benchmarks/results/phase7_optim.json to publish. The PNG
+is written beside the JSON.
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import phase7_optim
+from benchmarks.harness import Request, Timer, seeded_workload, write_result
+from benchmarks.phase6_qwen3_gpu import (
+    MAX_OUTPUT,
+    QWEN3_0_6B,
+    TEMPERATURE,
+    run_phase6,
+    run_transformers,
+    save_checkpoint,
+)
+from phase7_optim.engine import RequestOutputKind
+
+TARGET_TOK_S = 20_000
+TARGET_MS_PER_TOKEN = 1.0
+COPY_BANDWIDTH = 4.252e12  # bytes/s, measured on the lent H200 (the repository README's GPU facts)
+BLOCK_SIZE = 16
+MAX_NUM_SEQS = 256  # all of W at once: decode steps as large as the workload allows
+MAX_NUM_BATCHED_TOKENS = 16384
+SINGLE_PROMPT, SINGLE_NEW = 512, 256
+SLICE = 64
+
+
+def kv_bytes_per_token(c: dict) -> int:
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2  # K+V, bf16
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def make_llm(checkpoint: Path, workload: list[Request], **kwargs) -> phase7_optim.LLM:
+    blocks = sum(-(-(len(r.prompt_ids) + r.max_tokens) // BLOCK_SIZE) for r in workload)
+    # W's prompts share nothing; without the prefix cache a repeated run recomputes everything
+    config = dict(
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        num_kv_blocks=blocks + MAX_NUM_SEQS,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=False,
+    )
+    return phase7_optim.LLM(checkpoint, dtype="bfloat16", **{**config, **kwargs})
+
+
+def sampling(workload: list[Request]) -> list[phase7_optim.SamplingParams]:
+    return [
+        phase7_optim.SamplingParams(
+            temperature=TEMPERATURE, max_tokens=r.max_tokens, ignore_eos=True
+        )
+        for r in workload
+    ]
+
+
+def throughput(llm: phase7_optim.LLM, workload: list[Request]) -> dict:
+    prompts = [r.prompt_ids for r in workload]
+    llm.generate(prompts[:4], sampling(workload[:4]), use_tqdm=False)  # warm-up: prefill kernels
+    with Timer() as t:
+        outs = llm.generate(prompts, sampling(workload), use_tqdm=False)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": t.seconds, "output_tokens": tokens, "tok_s": tokens / t.seconds}
+
+
+def profile_steps(llm: phase7_optim.LLM, workload: list[Request], kv_per_token: int) -> dict:
+    """The same run, every step timed: wall (host clock) and GPU (events around execute)."""
+    engine, runner = llm.engine, llm.engine.runner
+    for r, sp in zip(workload, sampling(workload), strict=True):
+        engine.add_request(r.prompt_ids, sp, output_kind=RequestOutputKind.FINAL_ONLY)
+    execute, current, steps = runner.execute, {}, []
+
+    def timed_execute(scheduled, step):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        tokens = execute(scheduled, step)
+        end.record()
+        context = int(runner.inputs.seq_lens[: step.num_seqs].sum())
+        current.update(
+            events=(start, end),
+            seqs=step.num_seqs,
+            tokens=step.num_tokens,
+            graph=step.graph_batch_size is not None,
+            context=context,
+        )
+        return tokens
+
+    runner.execute = timed_execute
+    try:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            wall = (time.perf_counter() - t0) * 1e3
+            if current:
+                steps.append({"wall_ms": wall, **current})
+                current = {}
+    finally:
+        runner.execute = execute
+    torch.cuda.synchronize()
+    weights = weight_bytes(runner.model)
+    for s in steps:
+        start, end = s.pop("events")
+        s["gpu_ms"] = start.elapsed_time(end)
+        s["host_ms"] = max(s["wall_ms"] - s["gpu_ms"], 0.0)
+        s["floor_ms"] = (weights + s["context"] * kv_per_token) / COPY_BANDWIDTH * 1e3
+    return {"steps": steps, **summarize(steps)}
+
+
+def summarize(steps: list[dict]) -> dict:
+    def kind(selected):
+        if not selected:
+            return None
+        mean = lambda key: statistics.fmean(s[key] for s in selected)  # noqa: E731
+        return {
+            "steps": len(selected),
+            "mean_seqs": mean("seqs"),
+            "mean_wall_ms": mean("wall_ms"),
+            "mean_gpu_ms": mean("gpu_ms"),
+            "mean_host_ms": mean("host_ms"),
+            "total_wall_s": sum(s["wall_ms"] for s in selected) / 1e3,
+            "total_gpu_s": sum(s["gpu_ms"] for s in selected) / 1e3,
+            "total_host_s": sum(s["host_ms"] for s in selected) / 1e3,
+            "floor_s": sum(s["floor_ms"] for s in selected) / 1e3,
+        }
+
+    return {
+        "decode_graph_steps": kind([s for s in steps if s["graph"]]),
+        "eager_steps": kind([s for s in steps if not s["graph"]]),
+        "all_steps": kind(steps),
+    }
+
+
+def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
+    llm = phase7_optim.LLM(
+        checkpoint,
+        dtype="bfloat16",
+        max_num_seqs=1,
+        max_num_batched_tokens=1024,
+        num_kv_blocks=64,
+        enforce_eager=enforce_eager,
+    )
+    prompt = torch.randint(0, 10000, (SINGLE_PROMPT,), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.tolist()
+
+    def timed(max_tokens: int) -> float:
+        params = phase7_optim.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True
+        )
+        with Timer() as t:
+            llm.generate([prompt], params, use_tqdm=False)
+        return t.seconds
+
+    timed(8)  # warm-up
+    ttft = statistics.median(timed(1) for _ in range(5))
+    total = statistics.median(timed(SINGLE_NEW) for _ in range(3))
+    ms = (total - ttft) / (SINGLE_NEW - 1) * 1e3
+    return {"ttft_ms": ttft * 1e3, "total_s": total, "ms_per_token": ms}
+
+
+def verdict(w: dict, profile: dict, single: dict) -> dict:
+    decode = profile["decode_graph_steps"] or profile["all_steps"]
+    all_steps = profile["all_steps"]
+    bound = "host" if all_steps["total_host_s"] > all_steps["total_gpu_s"] else "GPU"
+    return {
+        "w_target_tok_s": TARGET_TOK_S,
+        "w_met": w["tok_s"] >= TARGET_TOK_S,
+        "w_shortfall": max(0.0, 1 - w["tok_s"] / TARGET_TOK_S),
+        "w_bound_by": bound,
+        "w_host_share": all_steps["total_host_s"] / all_steps["total_wall_s"],
+        "decode_gpu_vs_floor": decode["total_gpu_s"] / decode["floor_s"],
+        "single_stream_target_ms": TARGET_MS_PER_TOKEN,
+        "single_stream_met": single["graphs"]["ms_per_token"] <= TARGET_MS_PER_TOKEN,
+        "single_stream_shortfall_ms": max(
+            0.0, single["graphs"]["ms_per_token"] - TARGET_MS_PER_TOKEN
+        ),
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.8), width_ratios=[1.2, 0.8, 2])
+    bars = {"phase 7, W (256)": result["phase7_w"]["tok_s"]}
+    for key, label in (
+        ("phase7_slice", "phase 7"),
+        ("phase6_slice", "phase 6"),
+        ("transformers_slice", "transformers"),
+    ):
+        if result.get(key):
+            bars[f"{label}, {SLICE} req"] = result[key]["tok_s"]
+    a.bar(list(bars), list(bars.values()), color=["C2", "C2", "C0", "C1"][: len(bars)])
+    a.axhline(TARGET_TOK_S, color="k", ls="--", lw=1, label="target W")
+    a.set_yscale("log")
+    a.set_ylabel("output tok/s")
+    a.set_title("Throughput (H200, Qwen3-0.6B shapes)")
+    a.tick_params(axis="x", rotation=20)
+    a.legend()
+    single = result["single_stream"]
+    b.bar(
+        ["eager", "CUDA graphs"],
+        [single["eager"]["ms_per_token"], single["graphs"]["ms_per_token"]],
+        color=["C1", "C2"],
+    )
+    b.axhline(TARGET_MS_PER_TOKEN, color="k", ls="--", lw=1, label="target")
+    b.set_ylabel("ms per output token")
+    b.set_title(f"Single stream ({SINGLE_PROMPT}-token prompt)")
+    b.legend()
+    steps = result["phase7_w_profile"]["steps"]
+    x = range(len(steps))
+    c.plot(x, [s["gpu_ms"] for s in steps], lw=0.8, label="GPU ms (forward + sampling)")
+    c.plot(x, [s["host_ms"] for s in steps], lw=0.8, label="host ms (rest of the step)")
+    c.plot(x, [s["floor_ms"] for s in steps], lw=0.8, ls=":", label="bytes / copy bandwidth")
+    c.set_yscale("log")
+    c.set_xlabel("step of workload W")
+    c.set_ylabel("ms")
+    c.set_title("Where each step's time goes")
+    c.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the first 64 requests of W, no phase 6/transformers baselines",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "phase7.json",
+        help="JSON path (a scratch file by default); the PNG goes beside it",
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    from tests.assets import qwen3_tokenizer_dir
+
+    full_w = seeded_workload(0, 256, (100, 1024), (100, 1024), 10001)  # workload W
+    w = full_w[:SLICE] if args.quick else full_w
+    capped = [Request(r.prompt_ids, min(r.max_tokens, MAX_OUTPUT)) for r in full_w[:SLICE]]
+    kv_per_token = kv_bytes_per_token(QWEN3_0_6B)
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
+        llm = make_llm(checkpoint, w)
+        result["phase7_w"] = throughput(llm, w)
+        print(
+            f"phase 7, W ({len(w)} requests): {result['phase7_w']['tok_s']:8.0f} tok/s", flush=True
+        )
+        result["phase7_w_profile"] = profile_steps(llm, w, kv_per_token)
+        result["phase7_slice"] = throughput(llm, capped)
+        del llm
+        torch.cuda.empty_cache()
+        result["single_stream"] = {
+            "eager": single_stream(checkpoint, enforce_eager=True),
+            "graphs": single_stream(checkpoint, enforce_eager=False),
+        }
+        if not args.quick:
+            result["phase6_slice"] = run_phase6(checkpoint, capped)
+            torch.cuda.empty_cache()
+            result["transformers_slice"] = run_transformers(checkpoint, capped)
+    result["verdict"] = verdict(
+        result["phase7_w"], result["phase7_w_profile"], result["single_stream"]
+    )
+    result["workload"] = {
+        "w": f"{'first 64 requests of ' if args.quick else ''}workload W (SPEC-style seeded, "
+        f"nano-vllm's bench.py), temperature {TEMPERATURE}, ignore_eos, no seeds",
+        "w_prompt_tokens": sum(len(r.prompt_ids) for r in w),
+        "w_output_tokens": sum(r.max_tokens for r in w),
+        "slice": f"first {SLICE} requests of W, max_tokens capped at {MAX_OUTPUT}",
+        "model": "random Qwen3-0.6B shapes, bf16, tied embeddings",
+        "engine": {
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+            "block_size": BLOCK_SIZE,
+        },
+    }
+    result["transformers"] = __import__("transformers").__version__
+    result["triton"] = __import__("triton").__version__
+    path = write_result("phase7_optim", result, args.out)
+    plot(result, path.with_suffix(".png"))
+    print_table(result)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def print_table(r: dict) -> None:
+    w = r["phase7_w"]
+    print(f"phase 7 W          {w['tok_s']:9.0f} tok/s  ({w['seconds']:.2f} s)")
+    for key in ("phase7_slice", "phase6_slice", "transformers_slice"):
+        if r.get(key):
+            print(f"{key:18} {r[key]['tok_s']:9.0f} tok/s  ({r[key]['seconds']:.2f} s)")
+    for name, s in r["single_stream"].items():
+        print(f"single {name:11} {s['ms_per_token']:9.3f} ms/token (TTFT {s['ttft_ms']:.1f} ms)")
+    p = r["phase7_w_profile"]
+    for kind in ("decode_graph_steps", "eager_steps"):
+        k = p[kind]
+        if k:
+            print(
+                f"{kind:18} {k['steps']:5d} steps  mean seqs {k['mean_seqs']:6.1f}  "
+                f"wall {k['mean_wall_ms']:6.2f}  gpu {k['mean_gpu_ms']:6.2f}  "
+                f"host {k['mean_host_ms']:6.2f} ms  floor {k['floor_s']:.2f} s"
+            )
+    print({k: v for k, v in r["verdict"].items()})
+
+
+if __name__ == "__main__":
+    main()
