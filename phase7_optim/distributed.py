@@ -5,13 +5,16 @@ running the same forward pass at the same time, and only one of them may decide 
 schedule, sample, stop. Two ranks that each sampled would soon disagree about the sequences.
 Idea (nano-vllm's and vLLM's): the user's process is rank 0 and owns the whole engine (scheduler,
 block manager, sampler). It spawns ranks 1..size-1 as worker processes that own only their model
-shard and their KV cache shard. Each step, rank 0 broadcasts the step's inputs (token ids,
-positions, the `ForwardBatch`) and every rank runs the same forward pass; the all-reduces inside
-the layers meet, and the logits are gathered on rank 0, which samples. A worker never sees a
-sequence, a token it chose, or a scheduler.
+shard and their KV cache shard. Each step, rank 0 broadcasts the step's inputs (its model
+runner's step buffers: token ids, positions, slots, block tables, lengths) and every rank runs the
+same forward pass (a CUDA graph replay or an eager step, as rank 0 does); the all-reduces inside
+the layers meet, the LM head all-gathers the logits, and rank 0 samples. A worker never sees a
+sequence, a sampled token, or a scheduler.
 - NCCL over the GPUs' links on CUDA, gloo over TCP on CPU (so CI runs tensor parallelism).
-- The KV cache holds the same number of blocks on every rank: the minimum over ranks of what each
-  could hold, since the block manager on rank 0 hands out block ids valid everywhere.
+- The KV cache holds the same number of blocks on every rank (each block holds that rank's KV
+  heads), since the block manager on rank 0 hands out block ids valid everywhere: the config's
+  `num_kv_blocks`. (An engine that sized its cache from free memory, as vLLM does, would take the
+  minimum over ranks.)
 - Shutdown: rank 0 broadcasts a stop message; each worker frees its runner (CUDA graphs hold NCCL
   work, so they go first), then leaves the process group; rank 0 joins the processes.
 
@@ -28,6 +31,7 @@ import multiprocessing
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,7 +149,9 @@ def send_step(runner: "ModelRunner", step: "PreparedStep") -> None:
         rows = tokens = sampled = step.graph_batch_size
         values = (rows, step.num_seqs, step.num_tokens, sampled, 1, 0, 0)
     header = torch.tensor((Command.STEP, *values), dtype=torch.long)
-    dist.broadcast(header.to(runner.device), src=0)
+    if runner.device.type == "cuda":  # pinned: the copy neither blocks nor syncs the host
+        header = header.pin_memory().to(runner.device, non_blocking=True)
+    dist.broadcast(header, src=0)
     for buffer in _step_buffers(runner, rows, tokens, sampled):
         dist.broadcast(buffer, src=0)
 
@@ -249,6 +255,20 @@ def start_workers(
     model_dir: os.PathLike, dtype: str | torch.dtype, device: torch.device, config: EngineConfig
 ) -> TPWorkers:
     """Rank 0: spawn ranks 1..size-1 and form the process group with them."""
+    size = config.tensor_parallel_size
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} GPUs (one per rank), "
+            f"found {torch.cuda.device_count()}"
+        )
+    # Every split the ranks will make, checked before any process starts (shapes only, on the
+    # meta device): a rank failing to build its shard would leave the others in a collective.
+    from .loader import read_hf_config  # here: the model's layers import this module
+    from .model import ModelConfig, Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model_config = ModelConfig.from_hf(read_hf_config(Path(model_dir)))
+        Qwen3ForCausalLM(model_config, TensorParallel(0, size))
     spec = WorkerSpec(str(model_dir), dtype, device.type, config, free_port(),
                       torch.get_num_threads())  # fmt: skip
     return TPWorkers(spec)

@@ -13,6 +13,7 @@ the time these tests take).
 Float32 everywhere: TP only reorders the sums of row-parallel layers, an error of ~1e-6.
 """
 
+import multiprocessing
 import shutil
 from pathlib import Path
 
@@ -162,31 +163,27 @@ def prefill_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor(prompt), torch.arange(T), batch, kv_cache)
 
 
-def _check_model(tp: TensorParallel, checkpoints: list[str]) -> None:
-    for directory in checkpoints:
-        whole = load_model(directory, torch.float32).model
-        shard = load_model(directory, torch.float32, "cpu", tp).model
-        params = sum(p.numel() for p in shard.parameters())
-        assert params < sum(p.numel() for p in whole.parameters()), "each rank holds a part"
-        for prompt in PROMPTS:
-            want = prefill_logits(whole, prompt)
-            torch.testing.assert_close(prefill_logits(shard, prompt), want, atol=LOGITS_ATOL,
-                                       rtol=0)  # fmt: skip
-        dummy = load_model(directory, torch.float32, "cpu", tp, load_format="dummy").model
-        targets = checkpoint_targets(dummy)
-        qkv = targets["model.layers.0.self_attn.q_proj.weight"].param
-        assert qkv.shape[0] < sum(t.shard.full_shape[0] for k, t in targets.items()
-                                  if k.startswith("model.layers.0.self_attn.") and "proj" in k
-                                  and "o_proj" not in k)  # fmt: skip
-        assert all(p.abs().max() <= DUMMY_WEIGHT_RANGE for p in dummy.parameters())
+def _check_model(tp: TensorParallel, mqa_dir: str) -> None:
+    whole = load_model(mqa_dir, torch.float32).model
+    shard = load_model(mqa_dir, torch.float32, "cpu", tp).model
+    params = sum(p.numel() for p in shard.parameters())
+    assert params < sum(p.numel() for p in whole.parameters()), "each rank holds a part"
+    for prompt in PROMPTS:
+        want = prefill_logits(whole, prompt)
+        torch.testing.assert_close(prefill_logits(shard, prompt), want, atol=LOGITS_ATOL, rtol=0)
+    dummy = load_model(mqa_dir, torch.float32, "cpu", tp, load_format="dummy").model
+    qkv = checkpoint_targets(dummy)["model.layers.0.self_attn.q_proj.weight"].param
+    # this rank's 2 of the 4 query heads, then its replica of the one KV head (k and v)
+    assert qkv.shape == ((HEADS // TP + 2) * HEAD_DIM, HIDDEN)
+    assert all(p.abs().max() <= DUMMY_WEIGHT_RANGE for p in dummy.parameters())
 
 
-def _rank_main(rank: int, size: int, port: int, checkpoints: list[str]) -> None:
+def _rank_main(rank: int, size: int, port: int, mqa_dir: str) -> None:
     tp = TensorParallel(rank, size)
     init_process_group(tp, torch.device("cpu"), port)
     try:
         _check_layers(tp)
-        _check_model(tp, checkpoints)
+        _check_model(tp, mqa_dir)
     finally:
         dist.destroy_process_group()
 
@@ -222,7 +219,7 @@ def mqa_dir(tmp_path_factory) -> Path:
 
 
 def test_parallel_layers_and_model_match_unsharded(mqa_dir):
-    args = (TP, free_port(), [str(mqa_dir)])
+    args = (TP, free_port(), str(mqa_dir))
     # Rank 0 is this process: one interpreter fewer to start than spawning both.
     rank1 = mp.get_context("spawn").Process(target=_rank_main, args=(1, *args))
     rank1.start()
@@ -258,6 +255,12 @@ def test_tp2_engine_gives_tp1_greedy_tokens_and_shuts_down(tiny_dir):
     workers = llm.workers
     assert workers.exitcodes == [0] * (TP - 1), "workers exit cleanly"
     assert not dist.is_initialized(), "rank 0 left the process group"
+
+
+def test_indivisible_model_is_refused_before_any_process_starts(tiny_dir):
+    with pytest.raises(ValueError, match="divisible by tensor_parallel_size"):
+        LLM(tiny_dir, dtype="float32", tensor_parallel_size=3)
+    assert not multiprocessing.active_children() and not dist.is_initialized()
 
 
 @pytest.mark.gpu
