@@ -51,7 +51,6 @@ from .responses import (
     usage_chunk,
 )
 
-DISCONNECT_POLL_S = 0.05  # how often a non-streaming handler checks whether its client left
 OPEN_PATHS = ("/health",)  # reachable without the API key
 
 
@@ -116,9 +115,8 @@ def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first['msg']}" if where else first["msg"]
-        return error_response(400, message, param=where or None)
+        message = f"{'.'.join(loc)}: {first['msg']}" if loc else first["msg"]
+        return error_response(400, message, param=loc[0] if loc else None)  # the body's field
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
@@ -260,8 +258,9 @@ async def _unless_disconnected(request: Request, work: asyncio.Future) -> None:
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
+        # The body is already read, so the next ASGI message is http.disconnect (if it comes).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     watcher = asyncio.create_task(watch())
     try:

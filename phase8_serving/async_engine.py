@@ -184,6 +184,7 @@ class AsyncLLM:
             self._publish_stats()
             return
         now = time.perf_counter()
+        self._publish_stats()  # before delivery: a client that got its answer sees it counted
         for out in outputs:
             entry = self._streams.get(out.request_id)
             if entry is None:
@@ -193,7 +194,6 @@ class AsyncLLM:
             stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
-        self._publish_stats()
 
     def _observe(self, timing: _Timing, now: float, finished: bool) -> None:
         """One new token for a request (each step adds at most one per request)."""

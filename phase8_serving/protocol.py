@@ -17,7 +17,13 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .sampling import MAX_ABS_PENALTY, MAX_LOGPROBS, SamplingParams
+from .sampling import (
+    MAX_ABS_PENALTY,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 MAX_N = 16  # completions per prompt one request may ask for
 MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n uses seed + i, which must fit torch's 64-bit seed
@@ -62,7 +68,9 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool | None = False

@@ -32,6 +32,9 @@ import torch
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (the OpenAI API's limit)
 MAX_ABS_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2] (the OpenAI API's range)
+# Beyond these, penalized or temperature-scaled logits overflow float32 and softmax gives NaN.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MIN_TEMPERATURE = 0.01  # a smaller positive temperature samples as this one (vLLM's clamp)
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
@@ -154,6 +160,7 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
     drop_sorted = mass_before >= p  # the nucleus was already complete without this token
+    drop_sorted[..., 0] = False  # the most likely token stays, even when p rounds to 0 in fp32
     return drop_sorted.scatter(-1, order, drop_sorted)
 
 
@@ -165,7 +172,7 @@ def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The logits the sampler draws from: temperature-scaled, filtered tokens set to -inf."""
-    logits = logits.float() / params.temperature
+    logits = logits.float() / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k is not None:
         logits = logits.masked_fill(top_k_mask(logits, params.top_k), float("-inf"))
     if params.top_p < 1.0:

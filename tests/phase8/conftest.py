@@ -2,7 +2,7 @@
 
 The server tests talk HTTP to a real uvicorn server (in a thread of the test process), so
 streaming, disconnects and the `openai` client behave as in production. The checkpoint is a
-random 2-layer Qwen3 with a byte-level tokenizer of 256 byte tokens plus ChatML's specials: a
+random 1-layer Qwen3 with a byte-level tokenizer of 256 byte tokens plus ChatML's specials: a
 vocabulary of 259 keeps sampling and the LM head nearly free on CPU, so hundreds of requests take
 seconds. Byte tokens also split every non-ASCII character across tokens, which is what the
 streaming tests need.
@@ -32,13 +32,13 @@ CHATML = (
 TINY_CONFIG = dict(
     hidden_size=32,
     intermediate_size=64,
-    num_hidden_layers=2,
+    num_hidden_layers=1,
     num_attention_heads=2,
     num_key_value_heads=1,
     head_dim=16,
     max_position_embeddings=128,
 )
-MAX_MODEL_LEN = 64  # small, so a request generated at random ends quickly
+MAX_MODEL_LEN = 48  # small, so a request generated at random ends quickly
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=96, block_size=8)
 MODEL_NAME = "tiny"
 SEED = 0

@@ -1,0 +1,263 @@
+"""What a server must survive: bad input, many clients at once, clients that leave, a failing step.
+
+Every bad request must get a 4xx in the OpenAI error shape and change nothing: the next good
+request is answered correctly. Blocks are the evidence that aborts happen: after every scenario
+every KV block is free again (`wait_until_idle`).
+"""
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from phase8_serving.api_server import ServerConfig, build_app
+
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, start_server
+
+NUM_CONCURRENT_CLIENTS = 64
+SCHEMATHESIS_MIN_REQUESTS = 1000
+SLOW_STEP_S = 0.03  # an artificial step time, so a long request cannot finish before the abort
+LONG_MAX_TOKENS = 40  # at SLOW_STEP_S per token: 1.2 s, longer than the 1 s abort deadline
+
+BAD_BODIES = {
+    "wrong type": ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    "bool is not an int": ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    "max_tokens < 1": ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    "temperature < 0": ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    "top_p = 0": ({"prompt": "hi", "top_p": 0.0}, 400, "top_p"),
+    "top_p > 1": ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    "logprobs > 20": ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    "logprobs < 0": ({"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    "empty prompt": ({"prompt": ""}, 400, "prompt"),
+    "empty token list": ({"prompt": []}, 400, "prompt"),
+    "token id out of vocab": ({"prompt": [10**6]}, 400, None),
+    "prompt longer than the context": ({"prompt": "x" * (MAX_MODEL_LEN + 5)}, 400, "prompt"),
+    "prompt + max_tokens > context": ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400,
+                                      "max_tokens"),
+    "unknown model": ({"prompt": "hi", "model": "gpt-5"}, 404, "model"),
+    "stream_options without stream": ({"prompt": "hi", "stream_options": {}}, 400, None),
+    "n = 0": ({"prompt": "hi", "n": 0}, 400, "n"),
+    "presence_penalty > 2": ({"prompt": "hi", "presence_penalty": 3.0}, 400, "presence_penalty"),
+    "not an object": ([1, 2, 3], 400, None),
+}  # fmt: skip
+BAD_CHAT_BODIES = {
+    "no messages": ({"messages": []}, 400, "messages"),
+    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    "top_logprobs without logprobs": (
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, None),
+    "top_logprobs > 20": (
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        400, "top_logprobs"),
+    "template kwargs that break the template": (
+        {"messages": [{"role": "user", "content": "hi"}],
+         "chat_template_kwargs": {"add_generation_prompt": 1}}, 400, "messages"),
+}  # fmt: skip
+
+
+@pytest.fixture
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
+        yield c
+    live_server.wait_until_idle(timeout=1.0)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    body = {"prompt": "still there?", "max_tokens": 3, "ignore_eos": True}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("case", list(BAD_BODIES))
+def test_bad_completion_requests_get_openai_errors(http, case):
+    body, status, param = BAD_BODIES[case]
+    assert_openai_error(http.post("/v1/completions", json=body), status, param)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("case", list(BAD_CHAT_BODIES))
+def test_bad_chat_requests_get_openai_errors(http, case):
+    body, status, param = BAD_CHAT_BODIES[case]
+    assert_openai_error(http.post("/v1/chat/completions", json=body), status, param)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("raw", [b"{bad json", b"", b'{"prompt": "hi"', '{"prompt": NaN}'])
+def test_malformed_json(http, raw):
+    headers = {"content-type": "application/json"}
+    assert_openai_error(http.post("/v1/completions", content=raw, headers=headers), 400, None)
+    assert_still_serving(http)
+
+
+def test_unknown_route_and_method_are_openai_errors(http):
+    assert_openai_error(http.get("/v1/nothing"), 404, None)
+    assert_openai_error(http.get("/v1/completions"), 405, None)
+
+
+def test_openai_client_raises_typed_errors(live_server):
+    client = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    out = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_api_key(live_server):
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, api_key="sekret")
+    sock = socket.create_server(("127.0.0.1", 0))
+    server, thread = start_server(build_app(live_server.llm, config), sock)
+    host, port = sock.getsockname()
+    url = f"http://{host}:{port}"
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert_openai_error(httpx.post(url + "/v1/completions", json=body), 401, None)
+        wrong = {"authorization": "Bearer wrong"}
+        assert_openai_error(
+            httpx.post(url + "/v1/completions", json=body, headers=wrong), 401, None
+        )
+        assert httpx.get(url + "/health").status_code == 200  # open without the key
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+async def _stream_one(client: httpx.AsyncClient, i: int) -> tuple[str, str | None, bool]:
+    body = {"prompt": f"client {i}:", "max_tokens": 8, "stream": True, "ignore_eos": True,
+            "temperature": 0.0}  # fmt: skip
+    text, reason, done = "", None, False
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line:
+                continue
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                done = True
+                continue
+            choice = json.loads(payload)["choices"][0]
+            text += choice["text"]
+            reason = choice["finish_reason"] or reason
+    return text, reason, done
+
+
+def test_64_concurrent_streaming_clients_all_complete(live_server):
+    async def main():
+        limits = httpx.Limits(max_connections=NUM_CONCURRENT_CLIENTS)
+        async with httpx.AsyncClient(base_url=live_server.base_url, limits=limits,
+                                     timeout=120) as client:  # fmt: skip
+            return await asyncio.gather(
+                *(_stream_one(client, i) for i in range(NUM_CONCURRENT_CLIENTS))
+            )
+
+    results = asyncio.run(main())
+    assert all(done and reason == "length" for _, reason, done in results)
+    # The same greedy prompt alone gives the same text: batching changed nothing.
+    body = {"prompt": "client 7:", "max_tokens": 8, "ignore_eos": True, "temperature": 0.0}
+    alone = httpx.post(live_server.base_url + "/v1/completions", json=body, timeout=30).json()
+    assert results[7][0] == alone["choices"][0]["text"]
+    live_server.wait_until_idle(timeout=1.0)
+
+
+@pytest.fixture
+def slow_engine(live_server, monkeypatch):
+    """Every engine step takes at least SLOW_STEP_S longer (the runner sleeps first)."""
+    runner = live_server.engine.runner
+    run = runner.run
+
+    def slow_run(scheduled):
+        time.sleep(SLOW_STEP_S)
+        return run(scheduled)
+
+    monkeypatch.setattr(runner, "run", slow_run)
+    yield live_server
+    live_server.wait_until_idle(timeout=5.0)
+
+
+def generated_tokens(live_server) -> float:
+    return live_server.llm.metrics.generation_tokens._value.get()
+
+
+def test_client_that_disconnects_mid_stream_frees_its_blocks(slow_engine):
+    body = {"prompt": "long", "max_tokens": LONG_MAX_TOKENS, "stream": True, "ignore_eos": True}
+    before = generated_tokens(slow_engine)
+    with httpx.Client(base_url=slow_engine.base_url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert slow_engine.engine.block_manager.num_used_blocks > 0
+        # leaving both blocks closes the connection mid-stream
+    hung_up = time.perf_counter()
+    slow_engine.wait_until_idle(timeout=1.0)
+    assert time.perf_counter() - hung_up < 1.0
+    assert generated_tokens(slow_engine) - before < LONG_MAX_TOKENS  # aborted, not finished
+
+
+def test_non_streaming_client_that_gives_up_frees_its_blocks(slow_engine):
+    body = {"prompt": "long", "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
+    before = generated_tokens(slow_engine)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_engine.base_url + "/v1/completions", json=body, timeout=0.3)
+    slow_engine.wait_until_idle(timeout=1.0)
+    assert generated_tokens(slow_engine) - before < LONG_MAX_TOKENS
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(live_server, monkeypatch):
+    runner = live_server.engine.runner
+    run = runner.run
+    failures = iter([True])
+
+    def failing_once(scheduled):
+        if next(failures, False):
+            raise RuntimeError("injected fault")
+        return run(scheduled)
+
+    monkeypatch.setattr(runner, "run", failing_once)
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as http:
+        response = http.post("/v1/completions", json={"prompt": "boom", "max_tokens": 4})
+        assert_openai_error(response, 500, None)  # a server fault, not the client's
+        assert "injected fault" in response.json()["error"]["message"]
+        assert_still_serving(http)
+    live_server.wait_until_idle(timeout=1.0)
+
+
+@pytest.mark.slow  # ~1 min on 2 quiet cores, mostly hypothesis generating the bodies
+def test_schemathesis_finds_no_server_error(live_server):
+    """Random valid and invalid requests from /openapi.json: never a 5xx, the engine survives."""
+    schema = schemathesis.openapi.from_url(live_server.base_url + "/openapi.json")
+    statuses: list[int] = []
+    per_mode = SCHEMATHESIS_MIN_REQUESTS // 2
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+        @settings(max_examples=per_mode, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @given(case=schema.as_strategy(generation_mode=mode))
+        def check(case):
+            response = case.call(base_url=live_server.base_url, timeout=30)
+            statuses.append(response.status_code)
+            assert response.status_code < 500, (case.path, case.body, response.text)
+
+        check()
+    assert len(statuses) >= SCHEMATHESIS_MIN_REQUESTS
+    assert any(s == 200 for s in statuses) and any(400 <= s < 500 for s in statuses)
+    live_server.wait_until_idle(timeout=1.0)
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as http:
+        assert_still_serving(http)
