@@ -9,7 +9,8 @@ shard: a 70B-parameter shape needs no checkpoint) in bf16:
 - decode step: B sequences of 16-token prompts decoding 64 tokens together, ms per step;
 - all-reduce share of that decode step: before the engine starts, the same ranks time the
   collectives one decode step of batch B makes (2 all-reduces of (B, hidden) per layer, one for
-  the embedding, one all-gather of the logits), eagerly, and divide by the step time;
+  the embedding, one all-gather of the logits), replayed from a CUDA graph as the engine's decode
+  steps are (eagerly with --enforce-eager), and divide by the step time;
 - per-GPU memory (nvidia-smi, with the engine loaded), KV blocks per GPU and weight bytes per GPU.
 The KV cache takes what is left of `GPU_MEMORY_UTILIZATION` of each GPU after the weights and a
 fixed reserve for activations and CUDA graphs (vLLM sizes it the same way, by profiling).
@@ -149,17 +150,26 @@ def _time_collectives(rank: int, tp: int, port: int, shapes: dict, out: str) -> 
             dist.all_reduce(x)
         dist.all_gather(gathered, logits)
 
-    for _ in range(3):
+    graph = None
+    if cuda and shapes["cuda_graphs"]:  # as the engine's decode steps run them: no launch gaps
         step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    replay = graph.replay if graph is not None else step
+    for _ in range(3):
+        replay()
     with Timer() as t:
         for _ in range(COLLECTIVE_REPEATS):
-            step()
+            replay()
     if rank == 0:
         Path(out).write_text(json.dumps({"ms": 1e3 * t.seconds / COLLECTIVE_REPEATS}))
+    del graph, replay  # captured NCCL work goes before the process group does
     dist.destroy_process_group()
 
 
-def collective_ms(tp: int, hf: dict, batch: int) -> float | None:
+def collective_ms(tp: int, hf: dict, batch: int, cuda_graphs: bool) -> float | None:
     if tp == 1:
         return None
     import torch.multiprocessing as mp
@@ -167,7 +177,7 @@ def collective_ms(tp: int, hf: dict, batch: int) -> float | None:
     from phase7_optim.distributed import free_port
 
     shapes = dict(batch=batch, hidden=hf["hidden_size"], vocab=hf["vocab_size"],
-                  all_reduces=2 * hf["num_hidden_layers"] + 1)  # fmt: skip
+                  all_reduces=2 * hf["num_hidden_layers"] + 1, cuda_graphs=cuda_graphs)  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         mp.spawn(_time_collectives, args=(tp, free_port(), shapes, f.name), nprocs=tp)
         return json.loads(Path(f.name).read_text())["ms"]
@@ -202,7 +212,7 @@ def run_one(run: Run) -> dict:
     params = [SamplingParams(temperature=TEMPERATURE, max_tokens=min(r.max_tokens, max_out),
                              ignore_eos=True, seed=i) for i, r in enumerate(workload)]  # fmt: skip
     batch = q.get("decode_batch", DECODE_BATCH)
-    comm_ms = collective_ms(run.tp, hf, batch)  # before the engine: the GPUs are idle
+    comm_ms = collective_ms(run.tp, hf, batch, not run.enforce_eager)  # the GPUs are idle yet
     blocks = num_kv_blocks(hf, run.tp, device)
     max_seqs = min(MAX_NUM_SEQS, max(run.requests, batch))  # fewer CUDA graphs to capture
     with tempfile.TemporaryDirectory() as tmp:
