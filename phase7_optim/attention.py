@@ -155,6 +155,19 @@ def select_attention_backend(device: torch.device) -> AttentionBackend:
     return TritonAttention() if device.type == "cuda" else TorchAttention()
 
 
+def norm_and_rotate(
+    x: torch.Tensor, norm: nn.Module, rotary: RotaryEmbedding, positions: torch.Tensor
+) -> torch.Tensor:
+    """Per-head RMSNorm (nn.Identity for Llama), then RoPE. On CUDA one fused kernel does both
+    (kernels/fused.py) instead of some fifteen small ones."""
+    if x.is_cuda:
+        from .kernels.fused import qk_norm_rope  # here: CPU-only installs may lack Triton
+
+        weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, 0.0)
+        return qk_norm_rope(x, weight, rotary.cos, rotary.sin, positions, eps)
+    return rotary(norm(x), positions)
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -194,8 +207,8 @@ class Attention(nn.Module):
         q = q.view(N, self.num_heads, self.head_dim)
         k = k.view(N, self.num_kv_heads, self.head_dim)
         v = v.view(N, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE (Qwen3)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        q = norm_and_rotate(q, self.q_norm, self.rotary, positions)  # norm per head (Qwen3)
+        k = norm_and_rotate(k, self.k_norm, self.rotary, positions)
         k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
         out = kv_cache.attention_backend(q, k, v, k_cache, v_cache, batch)
         return self.o_proj(out.reshape(N, -1))

@@ -27,5 +27,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (N, I / size) each
+        gate_up = self.gate_up_proj(x)  # (N, 2 * I / size)
+        if x.is_cuda:  # one fused kernel instead of three (kernels/fused.py)
+            from .kernels.fused import silu_and_mul  # here: CPU-only installs may lack Triton
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # (N, I / size) each
         return self.down_proj(F.silu(gate) * up)
