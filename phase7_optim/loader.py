@@ -214,10 +214,10 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path]) -> None:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in f.keys():
                     if key_files.get(key) == file:
-                        target, s = targets[key], targets[key].shard
-                        piece = _read_piece(f.get_slice(key), s)  # reads only these bytes
-                        # copy_ casts to the model's dtype
-                        target.param.narrow(s.dim, s.dest_start, s.size).copy_(piece)
+                        param, shard = targets[key].param, targets[key].shard
+                        piece = _read_piece(f.get_slice(key), shard)  # reads only these bytes
+                        dest = param.narrow(shard.dim, shard.dest_start, shard.size)
+                        dest.copy_(piece)  # casts to the model's dtype
 
 
 def _read_piece(tensor_slice, shard: WeightShard) -> torch.Tensor:
