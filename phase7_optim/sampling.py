@@ -177,18 +177,24 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
 
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits (R, V) -> token ids (R,) int64, on the device: no host sync."""
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
+    for row, generator in batch.seeded:  # only seeded rows loop: one launch each
+        noise[row].exponential_(generator=generator)
+    noise.clamp_min_(TINY)
+    if logits.is_cuda and not (batch.any_min_p or batch.any_top_k_top_p):
+        # no filter needs the probabilities: one pass over logits and noise (kernels/sampling.py)
+        from .kernels.sampling import exponential_race  # here: CPU-only installs may lack Triton
+
+        return exponential_race(logits, noise, 1.0 / batch.temperature, batch.greedy)
     logits = logits.float()
     greedy_tokens = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        return greedy_tokens
     probs = torch.softmax(logits / batch.temperature[:, None], dim=-1)
     if batch.any_min_p:
         threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
     if batch.any_top_k_top_p:
         probs = top_k_top_p(probs, batch.top_k, batch.top_p)
-    noise = torch.empty_like(probs).exponential_()
-    for row, generator in batch.seeded:  # only seeded rows loop: one launch each
-        noise[row].exponential_(generator=generator)
-    sampled = (probs / noise.clamp_min_(TINY)).argmax(dim=-1)  # sample_gumbel_no_sync
+    sampled = (probs / noise).argmax(dim=-1)
     return torch.where(batch.greedy, greedy_tokens, sampled)

@@ -18,8 +18,11 @@ Idea (vLLM's PagedAttention v2, FlashDecoding):
 Invariants:
 - the query of sequence i is position seq_len_i - 1: it sees keys 0 … seq_len_i - 1, all of them.
   A padded row (seq_len 0, what fills a CUDA graph's fixed batch) reads no key and outputs 0.
-- split s covers positions [s * tokens_per_split, min((s + 1) * tokens_per_split, seq_len)); a
-  split past the end of a short sequence is empty, writes lse = -inf and gets weight 0.
+- split s covers positions [s * tokens_per_split, min((s + 1) * tokens_per_split, seq_len)), with
+  tokens_per_split = seq_len / num_splits rounded up to whole key tiles, per sequence: the
+  launch fixes only the number of splits, so a CUDA graph captured for the longest context still
+  spreads a short one over all its splits; a split past the end of a sequence (one shorter than
+  num_splits key tiles) is empty, writes lse = -inf and gets weight 0.
 - lse is in log2 units, like the scores (scale is pre-multiplied by log2(e)).
 """
 
@@ -73,7 +76,6 @@ def _paged_decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
-    tokens_per_split,
     stride_qs,
     stride_qh,
     stride_kcb,
@@ -98,6 +100,7 @@ def _paged_decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * tokens_per_split
     hi = tl.minimum(seq_len, lo + tokens_per_split)
 
@@ -214,8 +217,6 @@ def paged_decode_attention(
             else INTERPRETER_NUM_SMS
         )
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), config.block_n)
-    tokens_per_split *= config.block_n  # whole key tiles per split
 
     out = torch.empty_like(q)
     if num_seqs == 0:
@@ -225,7 +226,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse,
-        scale * LOG2_E, tokens_per_split,
+        scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -5,10 +5,12 @@ logits in one batch standing in for many draws; greedy rows exactly; seeded rows
 their batch.
 """
 
+import os
+
 import pytest
 import torch
 
-from phase7_optim.sampling import SamplingBatch, SamplingParams, sample_batch
+from phase7_optim.sampling import TINY, SamplingBatch, SamplingParams, sample_batch
 from tests.phase2.test_sampling import LOGITS, PROBS, chi_square_ok
 
 ROWS = 4000  # draws per distribution, as in phase 2
@@ -108,3 +110,35 @@ def test_no_sort_unless_a_row_needs_top_k_or_top_p():
         [SamplingParams(temperature=0.0, top_k=2)], [None], VOCAB, torch.device("cpu")
     )
     assert batch.all_greedy and not batch.any_top_k_top_p  # greedy ignores the filters
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter"
+)
+def test_exponential_race_kernel_is_the_torch_formula():
+    """kernels/sampling.py (what CUDA runs without filters) = argmax(logits / T - log E), and
+    the exact argmax on greedy rows, ties to the lowest id."""
+    pytest.importorskip("triton")
+    from phase7_optim.kernels.sampling import exponential_race
+
+    torch.manual_seed(5)
+    rows, vocab = 6, 5000  # three vocabulary blocks, the last one masked
+    logits = torch.randn(rows, vocab) * 3
+    logits[2, [10, 4000]] = 50.0  # a greedy tie across blocks: token 10, as torch.argmax
+    noise = torch.empty(rows, vocab).exponential_().clamp_min_(TINY)
+    temperature = torch.tensor([1.0, 0.5, 1.0, 2.0, 1.0, 0.25])  # exact reciprocals
+    greedy = torch.tensor([False, False, True, False, True, False])
+    sampled = (logits / temperature[:, None] - noise.log()).argmax(dim=-1)
+    expected = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    assert torch.equal(exponential_race(logits, noise, 1.0 / temperature, greedy), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_gpu_sampled_distribution_through_the_kernel(temperature):
+    torch.manual_seed(6)
+    expected = PROBS ** (1 / temperature) / (PROBS ** (1 / temperature)).sum()
+    params = [SamplingParams(temperature=temperature), SamplingParams(temperature=0.0)] * ROWS
+    tokens = draw(params, LOGITS.expand(2 * ROWS, VOCAB).cuda().bfloat16()).cpu()
+    assert (tokens[1::2] == 1).all()  # greedy rows
+    assert chi_square_ok(counts_of(tokens[0::2]), expected)
