@@ -220,3 +220,33 @@ def test_metrics_count_what_was_served(http, client):
                  "vllm:prefix_cache_hits_total"):  # fmt: skip
         assert name in after
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+
+
+@pytest.mark.slow  # loads the embedded SmolLM2 (~5 s) and generates on 30 float32 layers
+def test_embedded_default_answers_through_the_openai_client():
+    """The README's main job: `mini-vllm serve` with no model, asked through `openai`."""
+    import socket
+
+    from phase8_serving import LLM
+    from phase8_serving.api_server import ServerConfig, build_app
+    from phase8_serving.async_engine import AsyncLLM
+    from phase8_serving.default_model import MODEL_NAME as DEFAULT_NAME
+
+    from .conftest import start_server
+
+    llm = AsyncLLM(LLM(dtype="float32", device="cpu").engine, DEFAULT_NAME)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server, thread = start_server(build_app(llm, ServerConfig(DEFAULT_NAME, 2048)), sock)
+    host, port = sock.getsockname()
+    try:
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        stream = client.chat.completions.create(
+            model=DEFAULT_NAME, messages=question, max_tokens=12, temperature=0, stream=True
+        )
+        reply = "".join(c.choices[0].delta.content or "" for c in stream)
+        assert "Paris" in reply
+    finally:
+        server.should_exit = True
+        thread.join()
+        llm.shutdown()
