@@ -121,18 +121,40 @@ def test_from_hf_refuses_what_it_cannot_run(change, message):
         ModelConfig.from_hf({**HF_LLAMA, **change})
 
 
+def stack_projections(state: dict) -> dict:
+    """Phase 0's q/k/v and gate/up weights as phase 7's stacked `qkv_proj` and `gate_up_proj`."""
+    stacked = {}
+    for key, value in state.items():
+        for parts, merged in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                              (("gate_proj", "up_proj"), "gate_up_proj")):  # fmt: skip
+            if key.endswith(f"{parts[0]}.weight"):
+                prefix = key[: -len(f"{parts[0]}.weight")]
+                stacked[f"{prefix}{merged}.weight"] = torch.cat(
+                    [state[f"{prefix}{part}.weight"] for part in parts]
+                )
+                break
+            if any(key.endswith(f"{part}.weight") for part in parts):
+                break  # folded into the stacked weight above
+        else:
+            stacked[key] = value
+    return stacked
+
+
 def test_random_weights_equal_phase0_under_hf_names():
-    """Phase 0's invariant carries over: same seed, same weights, only the names gained `model.`."""
+    """Phase 0's invariant carries over: same seed, same weights, only the names gained `model.`
+    and the projections that run as one matmul are stacked (linear.py: one uniform_ draw over the
+    stacked matrix is the same stream as the separate draws, in creation order)."""
     from phase0_basics.model import ModelConfig as Phase0Config
     from phase0_basics.model import TinyTransformer
 
     torch.manual_seed(0)
     phase0 = TinyTransformer(Phase0Config()).state_dict()
     torch.manual_seed(0)
-    phase6 = Qwen3ForCausalLM(ModelConfig(qk_norm=False)).state_dict()
+    phase7 = Qwen3ForCausalLM(ModelConfig(qk_norm=False)).state_dict()
     renamed = {k if k.startswith("lm_head") else f"model.{k}": v for k, v in phase0.items()}
-    assert renamed.keys() == phase6.keys()
-    assert all(torch.equal(renamed[k], phase6[k]) for k in phase6)
+    renamed = stack_projections(renamed)
+    assert renamed.keys() == phase7.keys()
+    assert all(torch.equal(renamed[k], phase7[k]) for k in phase7)
 
 
 def test_qk_norm_modules_follow_the_config():
