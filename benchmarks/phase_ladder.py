@@ -12,7 +12,9 @@ whole tutorial in one picture. Everything but the phase is held fixed:
 - the KV memory: `kv_slots` token slots per layer. Phase 3 cuts the requests, in arrival order,
   into static batches whose cache (rows x (longest prompt + longest output)) fits in it; phase 4
   reserves prompt + max_tokens contiguous slots per running request; phases 5-8 take
-  `block_size`-token blocks on demand. Engines (4-8) share max_num_seqs and the token budget.
+  `block_size`-token blocks on demand (prefix caching off: the prompts share nothing, and a
+  repeated run must not find the previous run's blocks). Engines (4-8) share max_num_seqs and
+  the token budget.
 How each phase runs the requests: 1-2 one at a time, the whole sequence re-run per token
 (`generate`); 3 static batches with a KV cache (`generate_batch`); 4-5 `LLM(model)`; 6-8
 `LLM(checkpoint)`.
@@ -218,6 +220,8 @@ def make_runner(phase: int, mod, setup: Setup, state: dict, checkpoint: Path, de
     paged = {
         "num_kv_blocks": setup.kv_slots // setup.block_size,
         "block_size": setup.block_size,
+        # The requests share no prefix; with the cache on, a repeated run would skip its prefill.
+        "enable_prefix_caching": False,
         **engine,
     }
     if phase in (1, 2):
@@ -348,6 +352,7 @@ def run_ladder(args, setup: Setup, out: Path) -> dict:
             "block_size": setup.block_size,
             "max_num_seqs": setup.max_num_seqs,
             "max_num_batched_tokens": setup.max_num_batched_tokens,
+            "enable_prefix_caching": False,
             "temperature": setup.temperature,
             "repeats": setup.repeats,
             "torch_threads": torch.get_num_threads(),
