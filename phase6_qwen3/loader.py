@@ -51,7 +51,7 @@ class LoadedModel:
 def load_model(
     path_or_id: str | os.PathLike,
     dtype: torch.dtype | str = "auto",
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
 ) -> LoadedModel:
     """Load a checkpoint for inference (eval mode, no gradients).
 
@@ -60,7 +60,7 @@ def load_model(
     comparisons against transformers' float32 logits loose for nothing.
     """
     model_dir = resolve_model_dir(path_or_id)
-    device = torch.device(device)
+    device = resolve_device(device)
     config = ModelConfig.from_hf(read_hf_config(model_dir))
     model = _build_empty(config, resolve_dtype(dtype, device), device)
     load_weights(model, weight_files(model_dir))
@@ -91,6 +91,18 @@ def _download(repo_id: str) -> Path:
             f"could not get {repo_id!r} from the Hugging Face hub or its cache "
             f"(offline mode: {constants.HF_HUB_OFFLINE}): {e}"
         ) from e
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on (None: CUDA if present, else CPU), refusing names torch cannot parse."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"device must be a str or a torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a device torch knows: {e}") from None
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
