@@ -13,7 +13,8 @@ Idea:
   phase 0 loads in 1.8 s and encodes unseen text at ~3k tokens/s; `tokenizers` takes 0.7 s and
   ~290k tokens/s, with identical ids;
 - render the chat template with the same sandboxed Jinja environment transformers uses, so the
-  prompt text is byte-identical to `apply_chat_template(..., tokenize=False)`;
+  prompt text is byte-identical to `apply_chat_template(..., tokenize=False)`; `check_conversations`
+  refuses malformed messages first, with their position, instead of a Jinja traceback;
 - detokenize incrementally with vLLM's two offsets: decode a short window of recent tokens and
   emit only what it adds, holding back while the window ends in U+FFFD (an unfinished character).
 
