@@ -14,7 +14,9 @@ Every request owns a `torch.Generator`: with `seed` set, the same request gives 
 matter what else runs beside it (that matters once requests share a batch, phase 3 onwards).
 
 From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; from phase 6
-`stop` strings and `skip_special_tokens`.
+`stop` strings and `skip_special_tokens`. Phase 6 also samples a whole batch in one pass
+(`sample_batch`): the same filters with per-row parameter tensors, and one device-to-host copy of
+the chosen ids per step instead of one per row.
 
 Invariant: a `SamplingParams` that exists is valid. Every field is checked with its type when it is
 built (a bool is not a token count, 2.5 is not one either, NaN is not a temperature, a seed fits in
@@ -166,3 +168,29 @@ class Sampler:
             return int(logits.argmax())
         probs = torch.softmax(filtered_logits(logits, self.params), dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def sample_batch(logits: torch.Tensor, samplers: list[Sampler]) -> list[int]:
+    """logits (R, V), one `Sampler` per row -> R token ids, the filters run once for the batch.
+
+    Each row gets exactly what `Sampler.__call__` gives it alone: greedy rows the argmax of their
+    raw logits; random rows a draw from their filtered distribution with their own generator, so
+    a seeded row never depends on what shares its batch. The ids reach the host in one copy.
+    """
+    params = [sampler.params for sampler in samplers]
+    column = lambda xs: torch.tensor(xs, device=logits.device)[:, None]  # noqa: E731  (R, 1)
+    tokens = logits.argmax(dim=-1)  # (R,): final for greedy rows
+    scaled = logits.float() / column([1.0 if p.greedy else p.temperature for p in params])
+    scaled = scaled.masked_fill(min_p_mask(scaled, column([p.min_p for p in params])), -math.inf)
+    vocab = scaled.shape[-1]
+    top_k = column([min(p.top_k or vocab, vocab) for p in params])  # None: all V tokens
+    kth_largest = scaled.sort(dim=-1, descending=True).values.gather(-1, top_k - 1)
+    scaled = scaled.masked_fill(scaled < kth_largest, -math.inf)
+    top_p = column([p.top_p for p in params])
+    # top_p = 1 keeps every token, even where float32 cumsums reach 1 before the tail.
+    scaled = scaled.masked_fill(top_p_mask(scaled, top_p) & (top_p < 1.0), -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    for row, sampler in enumerate(samplers):
+        if not sampler.params.greedy:  # a device-side write: no sync
+            tokens[row] = torch.multinomial(probs[row], 1, generator=sampler.generator)[0]
+    return tokens.tolist()
