@@ -180,6 +180,8 @@ def sample_batch(logits: torch.Tensor, samplers: list[Sampler]) -> list[int]:
     params = [sampler.params for sampler in samplers]
     column = lambda xs: torch.tensor(xs, device=logits.device)[:, None]  # noqa: E731  (R, 1)
     tokens = logits.argmax(dim=-1)  # (R,): final for greedy rows
+    if all(p.greedy for p in params):
+        return tokens.tolist()  # nothing to filter or draw
     scaled = logits.float() / column([1.0 if p.greedy else p.temperature for p in params])
     scaled = scaled.masked_fill(min_p_mask(scaled, column([p.min_p for p in params])), -math.inf)
     vocab = scaled.shape[-1]
