@@ -149,3 +149,17 @@ def test_options_fail_before_the_slow_load(kwargs, error, message, tmp_path):
 def test_model_argument_type_is_checked():
     with pytest.raises(TypeError, match="model must be a str"):
         LLM(model=torch.nn.Linear(2, 2))
+
+
+def test_command_line_rejects_bad_sampling_flags_before_loading(monkeypatch, capsys):
+    import phase6_qwen3.__main__ as cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(cli, "LLM", no_load)
+    monkeypatch.setattr("sys.argv", ["python -m phase6_qwen3", "--temperature", "-1", "Hi"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 2  # argparse's usage error
+    assert "SamplingParams.temperature" in capsys.readouterr().err
