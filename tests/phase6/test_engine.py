@@ -265,6 +265,24 @@ def test_streamed_text_grows_and_equals_decode(tiny_llm, tiny_prompts):
         assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids, True)
 
 
+def test_streamed_text_never_changes_when_a_stop_string_straddles_tokens(tiny_llm, long_reply):
+    """A stop string that begins in one token and ends in the next: the step that emits the first
+    token must hold its tail back (len(stop) - 1 characters), or the cut would take back text
+    already shown."""
+    full, pieces = long_reply
+    k = next(i for i in range(4, 23) if pieces[i] and len(pieces[i + 1].strip()) >= 2)
+    stop = pieces[k][-1] + pieces[k + 1].strip()[:2]  # ends inside token k + 1
+    assert stop not in full.text[: full.text.index(stop) + len(stop) - 1]
+    outputs, texts = run(tiny_llm, ["Tell me a story."], greedy(24, stop=stop))
+    (steps,) = texts
+    final = outputs[0].outputs[0]
+    assert final.finish_reason == "stop" and final.text == full.text[: full.text.index(stop)]
+    assert all(final.text.startswith(text) for text in steps), "streamed text was taken back"
+    for text, num_tokens in zip(steps[:-1], range(1, len(steps)), strict=True):
+        shown = tiny_llm.get_tokenizer().decode(full.token_ids[:num_tokens], True)
+        assert text == shown[: len(shown) - (len(stop) - 1)]  # exactly vLLM's hold-back
+
+
 # A bigram "script": each token's embedding is a unit vector that the untied LM head maps to the
 # next token, and every layer adds nothing (o_proj and down_proj are zero). The model then recites
 # a fixed cycle of byte tokens: characters of 2, 3 and 4 UTF-8 bytes, one token per byte, so
