@@ -35,7 +35,7 @@ class StepRecord:
 class StepTrace:
     steps: list[StepRecord] = field(default_factory=list)
 
-    def record(self, start: float, end: float, out, finished, allocator: BlockManager) -> None:
+    def record(self, start: float, end: float, out, finished, block_manager: BlockManager) -> None:
         prefill, decode = {}, []
         for seq, num_new in out.scheduled:
             # `num_computed_tokens` was already advanced by the engine when this is called.
@@ -54,8 +54,8 @@ class StepTrace:
                 admitted=[s.seq_id for s in out.admitted],
                 preempted=[s.seq_id for s in out.preempted],
                 finished=[s.seq_id for s in finished],
-                kv_used=allocator.num_used_slots,
-                kv_reserved=allocator.num_reserved_slots,
+                kv_used=block_manager.num_used_slots,
+                kv_reserved=block_manager.num_reserved_slots,
             )
         )
 
