@@ -1,12 +1,9 @@
 """Phase 4 scheduler and block manager as a state machine: the real engine, a fake forward pass.
 
-`FakeRunner` is the real `ModelRunner` (its `prepare` builds the slot mapping) with the model
-replaced: each step it writes every new token's id and position into the real KV cache tensors
-as its "key" and "value", then reads back each scheduled sequence's whole context through the block
-manager and checks that it holds exactly that sequence's tokens, in order. So a region handed to
-two sequences, a region moved without its keys/values (`KVCache.move`), or a recompute that skips a
-token all fail here. It "samples" a fixed token, so no forward pass runs and hypothesis can explore
-thousands of steps with random arrivals, lengths, budgets, KV capacities and aborts.
+`tests/engine_harness.py` runs the real `LLMEngine` with the model replaced by a runner that
+writes each token's id and position as its key/value and checks, every step, that each scheduled
+sequence's region holds exactly its own tokens (so a region moved without its keys/values, or
+memory handed to two sequences, fails); `Harness` checks the scheduler's promises every step.
 """
 
 import pytest
@@ -15,132 +12,28 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from phase4_scheduler import EngineConfig, LLMEngine, ModelConfig, SamplingParams, TinyTransformer
+import phase4_scheduler
+from phase4_scheduler import EngineConfig, ModelConfig, TinyTransformer
 from phase4_scheduler.model_runner import ModelRunner
 from phase4_scheduler.sequence import FinishReason, Sequence, SequenceStatus
-from phase4_scheduler.trace import StepTrace
-
-FAKE_TOKEN = 7  # what the fake model always "samples"
-TINY = ModelConfig(
-    vocab_size=64, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2,
-    intermediate_size=8, max_position_embeddings=512,
-)  # fmt: skip
+from tests.engine_harness import TINY_MODEL, FakeRunnerMixin
+from tests.engine_harness import Harness as BaseHarness
 
 
-class FakeRunner(ModelRunner):
-    """ModelRunner whose forward pass writes (token id, position) as each slot's key/value."""
-
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
-        input_ids, positions, batch = self.prepare(scheduled)
-        self.kv_cache.store(0, self._as_kv(input_ids), self._as_kv(positions), batch.slot_mapping)
-        for seq, num_new in scheduled:
-            end = seq.num_computed_tokens + num_new
-            slots = torch.tensor([self.context_slot(seq, p) for p in range(end)])
-            held_tokens = self.kv_cache.k[0][slots, 0, 0].long().tolist()
-            held_positions = self.kv_cache.v[0][slots, 0, 0].long().tolist()
-            assert held_tokens == seq.token_ids[:end], f"{seq}: its slots hold other tokens"
-            assert held_positions == list(range(end)), f"{seq}: its slots hold other positions"
-        self.last_scheduled = list(scheduled)
-        return [FAKE_TOKEN if s.num_computed_tokens + n == s.num_tokens else None
-                for s, n in scheduled]  # fmt: skip
-
-    def _as_kv(self, values: torch.Tensor) -> torch.Tensor:
-        k = self.kv_cache.k[0]
-        return values.to(k.dtype)[:, None, None].expand(-1, *k.shape[1:])
-
+class FakeRunner(FakeRunnerMixin, ModelRunner):
     def context_slot(self, seq: Sequence, position: int) -> int:
         return self.block_manager.regions[seq.seq_id].start + position
+
+
+class Harness(BaseHarness):
+    def __init__(self, model, config: EngineConfig):
+        super().__init__(phase4_scheduler, FakeRunner, model, config)
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)
-    return TinyTransformer(TINY).eval()
-
-
-def max_len(seq: Sequence) -> int:
-    return seq.num_prompt_tokens + seq.params.max_tokens
-
-
-class Harness:
-    """The real engine with a fake runner; checks the scheduler's promises on every step."""
-
-    def __init__(self, model, config: EngineConfig):
-        self.config = config
-        self.trace = StepTrace()
-        self.engine = LLMEngine(model, config, trace=self.trace)
-        self.engine.runner = FakeRunner(model, config, self.engine.block_manager)
-        self.seqs: list[Sequence] = []
-
-    @property
-    def scheduler(self):
-        return self.engine.scheduler
-
-    def add(self, prompt_len: int, max_tokens: int) -> Sequence:
-        prompt = [(len(self.seqs) + i) % TINY.vocab_size for i in range(prompt_len)]
-        request_id = self.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
-        self.seqs.append(self.engine.requests[request_id][0])
-        return self.seqs[-1]
-
-    def abort(self, seq: Sequence) -> None:
-        self.engine.abort_request(seq.request_id)
-        self.scheduler.check_invariants()
-
-    def step(self):
-        running_before = list(self.scheduler.running)
-        waiting_before = list(self.scheduler.waiting)
-        remaining = {id(s): s.num_tokens - s.num_computed_tokens for s in self.scheduler.running}
-        remaining |= {id(s): s.num_tokens for s in waiting_before}
-        self.engine.runner.last_scheduled = []
-        self.engine.step()
-        self.scheduler.check_invariants()
-        record = self.trace.steps[-1]
-        self.check_step(record, running_before, waiting_before, remaining)
-        return record
-
-    def check_step(self, record, running_before, waiting_before, remaining) -> None:
-        config, scheduler = self.config, self.scheduler
-        scheduled = self.engine.runner.last_scheduled
-        if running_before or waiting_before:
-            assert scheduled, "a step ran nothing"
-        assert sum(n for _, n in scheduled) <= config.max_num_batched_tokens
-        assert len(scheduler.running) <= config.max_num_seqs
-        assert len({id(s) for s, _ in scheduled}) == len(scheduled), "scheduled twice"
-        for seq, num_new in scheduled:
-            assert 1 <= num_new <= remaining[id(seq)]
-            if not config.enable_chunked_prefill:
-                assert num_new == remaining[id(seq)], "a prompt was chunked"
-        # LIFO: the victims are the most recently admitted, newest first; they go back to the
-        # front of the waiting queue with nothing computed, and nobody is admitted that step.
-        k = len(record.preempted)
-        if k:
-            assert record.preempted == [s.seq_id for s in running_before[::-1][:k]]
-            assert [s.seq_id for s in list(scheduler.waiting)[:k]] == record.preempted[::-1]
-            assert all(s.num_computed_tokens == 0 for s in list(scheduler.waiting)[:k])
-            assert not record.admitted, "admitted someone while memory was short"
-            assert k < len(running_before), "the oldest sequence preempted itself"
-        # First come, first served: admissions are a prefix of the waiting queue.
-        assert record.admitted == [s.seq_id for s in waiting_before[: len(record.admitted)]]
-        # Decodes first: every running sequence with one token left gets it whenever the budget
-        # covers all of them, unless it was preempted.
-        decoding = [s for s in running_before if remaining[id(s)] == 1]
-        if len(decoding) <= config.max_num_batched_tokens:
-            ran = {id(seq): n for seq, n in scheduled}
-            for seq in decoding:
-                assert seq.seq_id in record.preempted or ran.get(id(seq)) == 1, f"{seq} stalled"
-
-    def drain(self) -> None:
-        for _ in range(steps_bound(self.seqs)):
-            if not self.scheduler.has_unfinished():
-                return
-            self.step()
-        raise AssertionError(f"not done after {steps_bound(self.seqs)} steps")
-
-
-def steps_bound(seqs: list[Sequence]) -> int:
-    """Liveness bound: the oldest running sequence always runs (alone, it always finds room), so
-    requests finish one after another at worst, each recomputed at most once per try."""
-    return sum(2 * (max_len(s) + 2) for s in seqs) + 1
+    return TinyTransformer(ModelConfig(**TINY_MODEL)).eval()
 
 
 def test_continuous_batching_admits_as_soon_as_one_finishes(tiny_model):
