@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from .block_manager import BlockManager
 from .config import EngineConfig
-from .kv_cache import SlotAllocator
 from .model import TinyTransformer
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
@@ -89,9 +89,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.trace = trace
-        allocator = SlotAllocator(self.config.num_kv_slots)
-        self.scheduler = Scheduler(self.config, allocator)
-        self.runner = ModelRunner(model, self.config, allocator)
+        self.block_manager = BlockManager(self.config.num_kv_slots)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, self.config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
 
@@ -173,7 +173,9 @@ class LLMEngine:
             raise
 
     def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
-        # The trace records every step, even one that scheduled nothing.
+        self.runner.kv_cache.move(out.kv_moves)
+        # A step may run nothing (a lone sequence preempted itself to restart in a roomier region);
+        # the trace still records it.
         tokens = self.runner.run(out.scheduled) if out.scheduled else []
         updated, finished = [], []
         for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):
@@ -188,7 +190,7 @@ class LLMEngine:
                 self.runner.release(seq)
                 finished.append(seq)
         if self.trace is not None:
-            self.trace.record(start, time.perf_counter(), out, finished, self.scheduler.allocator)
+            self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
         outputs = [self._output(seq) for seq in updated]
         for seq in finished:
             del self.requests[seq.request_id]  # delivered: the engine forgets it

@@ -91,7 +91,7 @@ def run(engine: LLMEngine, prompts, params) -> list:
                 done[out.request_id] = out
         engine.scheduler.check_invariants()
     assert not engine.has_unfinished_requests(), "engine did not finish"
-    assert not engine.scheduler.allocator.regions and not engine.requests
+    assert not engine.block_manager.regions and not engine.requests
     return [done[i] for i in ids]
 
 
@@ -167,7 +167,7 @@ def test_abort_running_request_frees_its_region(model, oracle):
     engine.abort_request(ids[2])  # twice, and unknown ids: ignored
     engine.abort_request("no such request")
     engine.scheduler.check_invariants()
-    assert victim.seq_id not in engine.scheduler.allocator.regions
+    assert victim.seq_id not in engine.block_manager.regions
     assert victim.finish_reason.value == "abort" and ids[2] not in engine.requests
     done = {}
     while engine.has_unfinished_requests():
@@ -176,7 +176,7 @@ def test_abort_running_request_frees_its_region(model, oracle):
     assert sorted(done) == sorted(ids[:2] + ids[3:])
     for i in (0, 1, 3, 4):
         assert done[ids[i]].outputs[0].token_ids == oracle[i]
-    assert not engine.scheduler.allocator.regions
+    assert not engine.block_manager.regions
 
 
 def test_abort_waiting_request(model, oracle):
@@ -192,7 +192,7 @@ def test_abort_waiting_request(model, oracle):
 
 def engine_state(engine: LLMEngine):
     s = engine.scheduler
-    regions = {i: vars(r).copy() for i, r in s.allocator.regions.items()}
+    regions = {i: vars(r).copy() for i, r in engine.block_manager.regions.items()}
     return list(engine.requests), list(s.waiting), list(s.running), regions
 
 
