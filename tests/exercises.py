@@ -17,8 +17,9 @@ directory goes first on `sys.path`, so every test file and fixture runs unchange
 code, while the oracles (earlier phases, torch, transformers, `tokenizers`) stay the real ones.
 
 `check` proves both directions for every exercise: with only that function blank its tests fail
-(the marked code is really tested), and on the phase itself they pass. It runs pytest in-process,
-once per workspace, so torch is imported once; tests/test_exercises.py runs it in a subprocess.
+(the marked code is really tested), and with the phase's code pasted back (a workspace with nothing
+blank, under --impl) they pass. It runs pytest in-process, once per workspace, so torch is imported
+once; tests/test_exercises.py runs it in a subprocess.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class Marker:
     exercise_id: str
     title: str
     path: Path
-    function: str
+    function: str  # qualified: Class.method
     body_start: int  # first line (1-based) the blank replaces
     body_end: int  # last line it replaces
     indent: str  # the body's indentation
@@ -213,28 +214,44 @@ def phase_of(exercise_id: str) -> int:
     return int(exercise_id.split(".")[0])
 
 
+def functions(source: str) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Qualified name (`Class.method`) -> node, for module-level functions and class methods."""
+    found = {}
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                found[prefix + child.name] = child
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.")
+
+    walk(ast.parse(source), "")
+    return found
+
+
+def first_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Where the function's text starts: its first decorator, or the `def`."""
+    return min([node.lineno] + [d.lineno for d in node.decorator_list])
+
+
 def find_markers(path: Path) -> list[Marker]:
     """The marked functions of one file; a marker not directly above a function is an error."""
     source = path.read_text(encoding="utf-8")
     lines = source.splitlines()
-    functions = {}  # first line (decorators included) -> function node
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            functions[first] = node
+    by_line = {first_line(node): (name, node) for name, node in functions(source).items()}
     markers = []
     for number, line in enumerate(lines, start=1):
         match = MARKER.match(line)
         if match is None:
             continue
-        node = functions.get(number + 1)
-        if node is None:
+        if number + 1 not in by_line:
             raise ValueError(f"{path}:{number}: exercise marker is not directly above a def")
+        name, node = by_line[number + 1]
+        body = lines[node.body[-1].lineno - 1]
+        indent = body[: len(body) - len(body.lstrip())]
         start = _body_start(node, lines)
-        indent = lines[node.body[-1].lineno - 1]
-        indent = indent[: len(indent) - len(indent.lstrip())]
         markers.append(
-            Marker(match["id"], match["title"], path, node.name, start, node.end_lineno, indent)
+            Marker(match["id"], match["title"], path, name, start, node.end_lineno, indent)
         )
     return markers
 
@@ -297,7 +314,7 @@ def create_workspace(
     Returns the package's copy. `name` is what --impl is given in the messages."""
     package = phase_package(phase)
     markers = [m for m in phase_markers(phase) if only is None or m.exercise_id in only]
-    if only is not None and {m.exercise_id for m in markers} != only:
+    if only and {m.exercise_id for m in markers} != only:
         raise ValueError(
             f"no such exercise in phase {phase}: {only - {m.exercise_id for m in markers}}"
         )
@@ -402,30 +419,35 @@ def _items_of(test: str, outcomes: dict[str, str]) -> list[str]:
 
 
 def check(ids: list[str]) -> list[str]:
-    """Problems found; empty when every exercise's tests fail blank and pass on the phase."""
-    problems = []
+    """Problems found; empty when, for every exercise in `ids`, its tests fail on a workspace
+    where only it is blank and pass on a workspace where nothing is (the phase's code pasted back,
+    so the --impl path itself is proven too)."""
     markers = all_markers()
-    problems += [f"exercise {i}: in EXERCISES, marked nowhere" for i in set(ids) - set(markers)]
+    problems = [f"exercise {i}: in EXERCISES, marked nowhere" for i in set(ids) - set(markers)]
     problems += [f"exercise {i}: marked, not in EXERCISES" for i in set(markers) - set(EXERCISES)]
     ids = [i for i in ids if i in markers and i in EXERCISES]
-    whole, output = run_tests(sorted({t for i in ids for t in EXERCISES[i].tests}), impl=None)
+    with tempfile.TemporaryDirectory(prefix="exercises-") as tmp:
+        for phase in sorted({phase_of(i) for i in ids}):
+            phase_ids = [i for i in ids if phase_of(i) == phase]
+            whole = create_workspace(phase, Path(tmp) / f"phase{phase}", only=set()).parent
+            tests = [t for i in phase_ids for t in EXERCISES[i].tests]
+            problems += _expect(phase_ids, run_tests(sorted(set(tests)), whole), "passed")
+            for i in phase_ids:
+                blank = create_workspace(phase, Path(tmp) / i, only={i}).parent
+                problems += _expect([i], run_tests(list(EXERCISES[i].tests), blank), "failed")
+    return problems
+
+
+def _expect(ids: list[str], run: tuple[dict[str, str], str], outcome: str) -> list[str]:
+    """Every named test of these exercises ran, and every run of it ended with `outcome`."""
+    outcomes, output = run
+    problems = []
     for i in ids:
         for test in EXERCISES[i].tests:
-            results = _items_of(test, whole)
-            if not results or set(results) != {"passed"}:
-                problems.append(f"exercise {i}: {test} does not pass on the phase: {results}")
-    with tempfile.TemporaryDirectory(prefix="exercises-") as tmp:
-        for i in ids:
-            directory = Path(tmp) / i.replace(".", "_")
-            create_workspace(phase_of(i), directory, only={i})
-            blank, output = run_tests(list(EXERCISES[i].tests), impl=directory)
-            for test in EXERCISES[i].tests:
-                results = _items_of(test, blank)
-                if not results or "passed" in results:
-                    problems.append(f"exercise {i}: {test} does not fail when blank: {results}")
-            if problems and problems[-1].startswith(f"exercise {i}:"):
-                problems.append(output)
-    return problems
+            results = _items_of(test, outcomes)
+            if not results or set(results) != {outcome}:
+                problems.append(f"exercise {i}: {test} is not {outcome}: {results}")
+    return problems + [output] if problems else []
 
 
 def describe(exercise_id: str, marker: Marker) -> str:
