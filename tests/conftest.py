@@ -32,16 +32,16 @@ def pytest_collection_modifyitems(config, items):
 IMPL_KEY = pytest.StashKey[exercises.Workspace]()
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser, pluginmanager):
     parser.addoption(
         "--impl",
         metavar="WORKSPACE",
         help="test workspace/WORKSPACE (from `python -m tests.exercises new`) instead of the phase",
     )
-
-
-def pytest_configure(config):
-    name = config.getoption("--impl")
+    # A phase's own conftest (tests/phase6/conftest.py) imports the package while it loads, before
+    # pytest_configure; this file loads first, so the workspace goes on sys.path here.
+    config = pluginmanager.get_plugin("pytestconfig")
+    name = parser.parse_known_args(config.invocation_params.args).impl
     if name:
         try:
             workspace = exercises.resolve_workspace(name)
