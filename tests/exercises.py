@@ -407,7 +407,7 @@ def run_tests(node_ids: list[str], impl: Path | None) -> tuple[dict[str, str], s
     for name in [n for n in sys.modules if n.startswith(("phase", "tests.phase"))]:
         del sys.modules[name]  # the next run imports the phases (and their test modules) afresh
     args = [*node_ids, "-p", "no:cacheprovider", "-q", "--tb=line"]
-    args += ["--impl", str(impl)] if impl else []
+    args += [f"--impl={impl}"] if impl else []  # one token: pytest never takes it for a test path
     outcomes, output = _Outcomes(), io.StringIO()
     with contextlib.redirect_stdout(output):
         pytest.main(args, plugins=[outcomes])
