@@ -63,12 +63,14 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
+    # exercise 4.1: the token budget and chunked prefill
     def _num_new_tokens(self, remaining: int, budget: int) -> int:
         """How many of a sequence's `remaining` uncomputed tokens run this step."""
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
 
+    # exercise 4.2: running sequences first, LIFO preemption
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:

@@ -212,6 +212,7 @@ def _build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
+# exercise 6.1: name-for-name weight loading
 def load_weights(model: Qwen3ForCausalLM, files: list[Path]) -> None:
     """Copy every checkpoint tensor into the parameter of the same name, after checking them all."""
     params = model.state_dict(keep_vars=True)  # name -> Parameter; a tied head appears twice

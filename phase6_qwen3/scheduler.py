@@ -66,6 +66,7 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
+    # exercise 4.1: the token budget and chunked prefill
     def _num_new_tokens(self, remaining: int, budget: int) -> int:
         """How many of a sequence's `remaining` uncomputed tokens run this step."""
         if self.config.enable_chunked_prefill:
