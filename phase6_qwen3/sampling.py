@@ -172,6 +172,24 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
+def batch_filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`filtered_logits` for a batch at once, row r with params[r]: (R, V) -> (R, V).
+
+    Per-row parameters become (R, 1) tensors; a filter that is off keeps every token (min_p 0,
+    top_k None as V, top_p 1). Greedy rows are scaled by 1, not 0: their argmax needs no filter.
+    """
+    column = lambda xs: torch.tensor(xs, device=logits.device)[:, None]  # noqa: E731  (R, 1)
+    scaled = logits.float() / column([1.0 if p.greedy else p.temperature for p in params])
+    scaled = scaled.masked_fill(min_p_mask(scaled, column([p.min_p for p in params])), -math.inf)
+    vocab = scaled.shape[-1]
+    top_k = column([min(p.top_k or vocab, vocab) for p in params])
+    kth_largest = scaled.sort(dim=-1, descending=True).values.gather(-1, top_k - 1)
+    scaled = scaled.masked_fill(scaled < kth_largest, -math.inf)
+    top_p = column([p.top_p for p in params])
+    # top_p = 1 keeps every token, even where a float32 cumsum reaches 1 before the tail.
+    return scaled.masked_fill(top_p_mask(scaled, top_p) & (top_p < 1.0), -math.inf)
+
+
 def sample_batch(logits: torch.Tensor, samplers: list[Sampler]) -> list[int]:
     """logits (R, V), one `Sampler` per row -> R token ids, the filters run once for the batch.
 
@@ -180,20 +198,10 @@ def sample_batch(logits: torch.Tensor, samplers: list[Sampler]) -> list[int]:
     a seeded row never depends on what shares its batch. The ids reach the host in one copy.
     """
     params = [sampler.params for sampler in samplers]
-    column = lambda xs: torch.tensor(xs, device=logits.device)[:, None]  # noqa: E731  (R, 1)
     tokens = logits.argmax(dim=-1)  # (R,): final for greedy rows
     if all(p.greedy for p in params):
         return tokens.tolist()  # nothing to filter or draw
-    scaled = logits.float() / column([1.0 if p.greedy else p.temperature for p in params])
-    scaled = scaled.masked_fill(min_p_mask(scaled, column([p.min_p for p in params])), -math.inf)
-    vocab = scaled.shape[-1]
-    top_k = column([min(p.top_k or vocab, vocab) for p in params])  # None: all V tokens
-    kth_largest = scaled.sort(dim=-1, descending=True).values.gather(-1, top_k - 1)
-    scaled = scaled.masked_fill(scaled < kth_largest, -math.inf)
-    top_p = column([p.top_p for p in params])
-    # top_p = 1 keeps every token, even where float32 cumsums reach 1 before the tail.
-    scaled = scaled.masked_fill(top_p_mask(scaled, top_p) & (top_p < 1.0), -math.inf)
-    probs = torch.softmax(scaled, dim=-1)
+    probs = torch.softmax(batch_filtered_logits(logits, params), dim=-1)
     for row, sampler in enumerate(samplers):
         if not sampler.params.greedy:  # a device-side write: no sync
             tokens[row] = torch.multinomial(probs[row], 1, generator=sampler.generator)[0]

@@ -10,7 +10,7 @@ blocks a failed step cached must come back too.
 import pytest
 import torch
 
-from phase5_paged import LLM, LLMEngine, ModelConfig, SamplingParams, TinyTransformer
+from phase5_paged import LLM, EngineConfig, LLMEngine, ModelConfig, SamplingParams, TinyTransformer
 from tests.robustness import assert_engine_recovered
 
 SHARED = list(range(10, 30))  # two full blocks of 8: the prefix cache has something to keep
@@ -83,3 +83,21 @@ def test_bad_prompt_type_and_old_argument_order(model, expected):
     assert_recovered(llm, expected)
     with pytest.raises(TypeError, match="tokenizer must be a BPETokenizer"):
         LLMEngine(model, llm.engine.config)  # phase 6's order: (model, tokenizer, config, ...)
+
+
+def test_failed_step_frees_the_blocks_it_ran_and_the_rest_continues(model, expected, monkeypatch):
+    engine = LLMEngine(model, config=EngineConfig(**{**ENGINE, "max_num_seqs": 1}))
+    ran, waited = (engine.add_request(p, GREEDY) for p in PROMPTS[1:])
+    engine.step()  # `ran` prefills and holds blocks
+    monkeypatch.setattr(model, "forward", failing_on_call(model, 1))
+    with pytest.raises(ModelError):
+        engine.step()
+    monkeypatch.undo()
+    assert ran not in engine.requests and engine.requests[waited].seq in engine.scheduler.waiting
+    engine.scheduler.check_invariants()
+    assert engine.block_manager.num_used_blocks == 0
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {out.request_id: out for out in engine.step() if out.finished}
+        engine.scheduler.check_invariants()
+    assert done[waited].outputs[0].token_ids == expected[2]

@@ -8,7 +8,13 @@ by row, and each random row draws from its own generator.
 import pytest
 import torch
 
-from phase6_qwen3.sampling import Sampler, SamplingParams, sample_batch
+from phase6_qwen3.sampling import (
+    Sampler,
+    SamplingParams,
+    batch_filtered_logits,
+    filtered_logits,
+    sample_batch,
+)
 
 VOCAB = 1000
 STEPS = 40
@@ -65,3 +71,14 @@ def test_greedy_rows_are_the_exact_argmax():
     logits = step_logits(0, 3)
     samplers = [Sampler(SamplingParams(temperature=0.0)) for _ in range(3)]
     assert sample_batch(logits, samplers) == logits.argmax(dim=-1).tolist()
+
+
+def test_batch_filters_equal_the_per_row_filters_exactly():
+    logits = step_logits(0, len(PARAMS))
+    # A peaked row: float32 probabilities 1.0 and ~1e-13, so the cumsum reaches 1 before the tail;
+    # top_p = 1 must still keep the tail, as the per-row filter (which skips top-p at 1) does.
+    logits[6] = torch.zeros(VOCAB).index_fill(0, torch.tensor([0]), 30.0)
+    batched = batch_filtered_logits(logits, PARAMS)
+    for row, params in enumerate(PARAMS):
+        if not params.greedy:
+            assert torch.equal(batched[row], filtered_logits(logits[row], params)), params
