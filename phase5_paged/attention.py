@@ -14,18 +14,20 @@ Phase 4: no more padded (B, T) batches. One step runs the new tokens of many seq
 into one (N,) vector (some sequences prefill a chunk, most decode one token). A `ForwardBatch`
 says where each sequence's tokens start, how long its context is, and which cache slots hold it;
 attention writes the new keys/values through `slot_mapping`, then each query reads its own
-sequence's context from the shared slot pool.
+sequence's context from the shared slot pool. Attention is varlen: no sequence is padded to the
+step's longest query, so a step costs the sum of q_len * seq_len over its sequences, not
+S * max_query_len * max_seq_len.
 
 Phase 5: the pool is cut into blocks, and a sequence's context is found through its block table
 instead of one contiguous region: position p lives in block block_table[p // block_size] at offset
-p % block_size. `context_attention` is the paged attention reference that phase 7's kernels are
-checked against.
+p % block_size. `context_attention` gathers each sequence's context through its block table: the
+readable paged attention, and the CPU path of every later phase.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
@@ -47,43 +49,65 @@ class ForwardBatch:
     block_size: int
 
 
-def context_slots(batch: ForwardBatch) -> torch.Tensor:
-    """(S, L) cache slot of every context position, L = max_seq_len (padding slots clamp to 0)."""
-    positions = torch.arange(batch.max_seq_len, device=batch.seq_lens.device)
-    blocks = batch.block_tables[:, positions // batch.block_size]  # (S, L): the page-table walk
-    slots = blocks * batch.block_size + positions[None, :] % batch.block_size
-    return torch.where(positions[None, :] < batch.seq_lens[:, None], slots, 0)
+def context_slots(batch: ForwardBatch, seqs: torch.Tensor | slice, length: int) -> torch.Tensor:
+    """(s, length) cache slot of context positions 0..length-1 of the sequences `seqs` (an index
+    tensor or a slice of the batch). Positions at or past a sequence's seq_len clamp to slot 0:
+    read, then hidden by the mask."""
+    positions = torch.arange(length, device=batch.seq_lens.device)
+    blocks = batch.block_tables[seqs][:, positions // batch.block_size]  # the page-table walk
+    slots = blocks * batch.block_size + positions % batch.block_size
+    return torch.where(positions < batch.seq_lens[seqs, None], slots, 0)
+
+
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache: (num_blocks, block_size, H_kv, D), slots: (s, L) -> (s, H_kv, L, D)."""
+    flat = cache.flatten(0, 1)  # (num_slots, H_kv, D): slot s is [s // block_size, s % block_size]
+    # index_select, not flat[slots]: the same rows, many times faster on CPU.
+    rows = flat.index_select(0, slots.flatten()).view(*slots.shape, *flat.shape[1:])
+    return rows.transpose(1, 2)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor):
+    """q: (s, H, Q, D) at positions query_pos (s, Q); k, v: (s, H_kv, L, D) at positions 0..L-1.
+
+    A query sees the keys at positions <= its own: causal, and blind to the padding past its
+    sequence's end. `enable_gqa` lets each KV head serve its group of query heads without copies.
+    """
+    key_pos = torch.arange(k.shape[2], device=k.device)
+    visible = key_pos <= query_pos[..., None]  # (s, Q, L)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=True)
 
 
 def context_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
 ) -> torch.Tensor:
-    """Readable reference. q: (N, H, D); caches: (num_blocks, block_size, H_kv, D) -> (N, H, D).
+    """Readable varlen paged attention. q: (N, H, D); caches: (num_blocks, block_size, H_kv, D)
+    -> (N, H, D).
 
-    Gathers each sequence's context into a padded (S, L) batch and pads its queries to
-    (S, max_query_len): memory O(S * L), fine for teaching; phase 7 replaces it with kernels.
+    Nothing is padded to the step's longest query. Sequences with one new token (decodes, most of
+    a busy step) run as one batch, their contexts padded to max_seq_len: O(S * L). A sequence with
+    several new tokens (a prompt chunk) runs alone on its own context: O(q_len * seq_len).
     """
-    S, Q, L = batch.seq_lens.shape[0], batch.max_query_len, batch.max_seq_len
-    q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    token_seq = torch.repeat_interleave(torch.arange(S, device=q.device), q_lens)  # (N,)
-    token_col = torch.arange(q.shape[0], device=q.device) - batch.query_start_loc[token_seq]
-    q_pad = q.new_zeros(S, Q, *q.shape[1:])
-    q_pad[token_seq, token_col] = q
-    slots = context_slots(batch)
-    k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # (S, H_kv, L, D)
-    v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # each KV head serves `group` query heads
-    v = v.repeat_interleave(group, dim=1)
-    scores = (q_pad.transpose(1, 2) @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (S,H,Q,L)
-    # New tokens are the last q_len of their sequence: column j sits at position
-    # seq_len - q_len + j, and sees keys at positions <= its own.
-    query_pos = (batch.seq_lens - q_lens)[:, None] + torch.arange(Q, device=q.device)[None, :]
-    key_pos = torch.arange(L, device=q.device)
-    hidden = key_pos[None, None, :] > query_pos[:, :, None]  # (S, Q, L)
-    scores = scores.masked_fill(hidden[:, None], float("-inf"))
-    out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v  # (S, H, Q, D)
-    return out.transpose(1, 2)[token_seq, token_col]
+    out = torch.empty_like(q)
+    starts = batch.query_start_loc.tolist()  # host ints to slice the packed tokens with
+    q_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+    one_token = [i for i, n in enumerate(q_lens) if n == 1]
+    decodes = torch.tensor(one_token, dtype=torch.long, device=q.device)
+    if len(decodes) > 0:
+        tokens = batch.query_start_loc[decodes]  # each decode's one new token
+        slots = context_slots(batch, decodes, batch.max_seq_len)
+        k, v = gather(k_cache, slots), gather(v_cache, slots)  # (S_d, H_kv, L, D)
+        query_pos = batch.seq_lens[decodes, None] - 1  # (S_d, 1): the newest position
+        out[tokens] = attend(q[tokens, :, None], k, v, query_pos)[:, :, 0]
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        if q_lens[i] > 1:
+            slots = context_slots(batch, slice(i, i + 1), seq_len)
+            k, v = gather(k_cache, slots), gather(v_cache, slots)  # (1, H_kv, L, D)
+            # The new tokens are the last q_len of the sequence's seq_len positions.
+            query_pos = torch.arange(seq_len - q_lens[i], seq_len, device=q.device)[None]
+            q_i = q[starts[i] : starts[i + 1]].transpose(0, 1)[None]  # (1, H, q_len, D)
+            out[starts[i] : starts[i + 1]] = attend(q_i, k, v, query_pos)[0].transpose(0, 1)
+    return out
 
 
 class Attention(nn.Module):
