@@ -27,10 +27,8 @@ PROMPTS = [
     "Describe a walk through a forest in autumn.",
     "Explain how a bicycle works to a ten-year-old.",
     "Write a letter to a friend about your favourite city.",
-    "What makes a good breakfast? Give some ideas.",
-    "Tell me about the history of bread.",
 ]
-MAX_TOKENS, QUICK_MAX_TOKENS = 128, 16
+MAX_TOKENS, QUICK_MAX_TOKENS = 96, 16
 QUICK_PROMPTS = 2
 TAIL_RANK = 40  # a token outside the model's 40 most likely ones counts as a tail draw
 
