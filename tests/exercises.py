@@ -187,7 +187,7 @@ EXERCISES: dict[str, Exercise] = {
     ),
     "7.2": Exercise(
         "Load each split's log-sum-exp (log2 units) and partial output; weight each split by "
-        "exp2(lse - max lse) and return the weighted average.",
+        "exp2(lse - max lse) and store the weighted average of the partial outputs in out.",
         ("tests/phase7/test_kernels.py::test_paged_decode_split_k_matches_reference",),
     ),
 }
