@@ -58,6 +58,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Weight copies rotated per measurement add up to at least this: far above a CPU's last-level
 # cache (tens of MiB) and an H200's L2 (~60 MiB), so every matmul reads its weight from memory.
 ROTATION_BYTES = 512 * 2**20
+# ... but a rotation does at most this many FLOPs: past the ridge a layer is compute-bound and a
+# warm cache changes little, while a CPU would spend minutes per point.
+MAX_ROTATION_FLOP = {"cpu": 2e10, "cuda": 1e14}
 COPY_BYTES = {"cpu": 512 * 2**20, "cuda": 4 * 2**30}  # bandwidth probe buffer
 PEAK_SIZE = {"cpu": 2048, "cuda": 8192}  # square matmul for the compute roof
 MIN_SECONDS = {"cpu": 0.3, "cuda": 0.05}  # keep timing rotations until this much has passed
@@ -74,6 +77,7 @@ class Point:
     dtype: str
     batch: int
     seconds: float
+    weight_copies: int  # rotated per measurement
 
     @property
     def flop(self) -> int:
@@ -166,15 +170,16 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, clock: Clock) -> float
 
 def time_linear(
     K: int, N: int, batch: int, dtype: torch.dtype, device: torch.device, clock: Clock
-) -> float:
-    """Seconds of one y = x @ W.T, W cold: rotates over weight copies worth ROTATION_BYTES."""
-    weight_bytes = K * N * dtype.itemsize
-    copies = max(1, math.ceil(ROTATION_BYTES / weight_bytes))
+) -> tuple[float, int]:
+    """(seconds of one y = x @ W.T, weight copies): W is cold, rotated over copies worth
+    ROTATION_BYTES."""
+    copies = math.ceil(ROTATION_BYTES / (K * N * dtype.itemsize))
+    copies = max(1, min(copies, int(MAX_ROTATION_FLOP[device.type] // (2 * batch * K * N))))
     weights = [torch.randn(N, K, device=device).to(dtype) for _ in range(copies)]
     x = torch.randn(batch, K, device=device).to(dtype)
     y = torch.empty(batch, N, device=device, dtype=dtype)
     calls = [lambda w=w: torch.mm(x, w.t(), out=y) for w in weights]
-    return clock.per_call(calls)
+    return clock.per_call(calls), copies
 
 
 def flops(rate: float) -> str:
@@ -265,8 +270,8 @@ def main():
         K, N = SHAPES[shape]
         for name, dtype in DTYPES.items():
             for batch in batches:
-                seconds = time_linear(K, N, batch, dtype, device, clock)
-                point = Point(shape, K, N, name, batch, seconds)
+                seconds, copies = time_linear(K, N, batch, dtype, device, clock)
+                point = Point(shape, K, N, name, batch, seconds, copies)
                 points.append(point)
                 roof = roofline(point.intensity, peaks[name], bandwidth)
                 print(
@@ -286,6 +291,7 @@ def main():
             "matmul_peak_flop_per_s": peaks,
             "ridge_flop_per_byte": {name: peak / bandwidth for name, peak in peaks.items()},
             "rotation_bytes": ROTATION_BYTES,
+            "max_rotation_flop": MAX_ROTATION_FLOP[device.type],
             "shapes": {
                 s: {"in_features": SHAPES[s][0], "out_features": SHAPES[s][1]} for s in shapes
             },
@@ -294,6 +300,7 @@ def main():
                     "shape": p.shape,
                     "dtype": p.dtype,
                     "batch": p.batch,
+                    "weight_copies": p.weight_copies,
                     "seconds": p.seconds,
                     "flop": p.flop,
                     "bytes": p.bytes,

@@ -25,6 +25,8 @@ readable paged attention, and the CPU path of every later phase.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,25 @@ class ForwardBatch:
     max_seq_len: int
     block_size: int
 
+    @cached_property
+    def attention_groups(self) -> list["AttentionGroup"]:
+        """How attention splits this step (see `AttentionGroup`); planned on first use, then
+        shared by every layer."""
+        return plan_attention_groups(self)
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """s sequences with q_len new tokens each, attended in one call.
+
+    Decodes (q_len 1) form one group, their contexts padded to the longest: O(s * L). A sequence
+    with several new tokens (a prompt chunk) is a group of its own, so no query is ever padded.
+    """
+
+    tokens: torch.Tensor | slice  # the group's s * q_len new tokens in the packed batch
+    slots: torch.Tensor  # (s, L) cache slot of each context position (padding: slot 0)
+    visible: torch.Tensor  # (s, q_len, L) bool: which context positions each query sees
+
 
 def context_slots(batch: ForwardBatch, seqs: torch.Tensor | slice, length: int) -> torch.Tensor:
     """(s, length) cache slot of context positions 0..length-1 of the sequences `seqs` (an index
@@ -59,6 +80,41 @@ def context_slots(batch: ForwardBatch, seqs: torch.Tensor | slice, length: int) 
     return torch.where(positions < batch.seq_lens[seqs, None], slots, 0)
 
 
+def causal_mask(query_pos: torch.Tensor, length: int) -> torch.Tensor:
+    """query_pos (s, Q) -> (s, Q, length): a query sees the keys at positions <= its own, which
+    also hides the padding past its sequence's end."""
+    return torch.arange(length, device=query_pos.device) <= query_pos[..., None]
+
+
+def plan_attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
+    """All decodes (q_len 1) in one group, then each sequence with several new tokens alone."""
+    starts = batch.query_start_loc.tolist()  # host ints, read once per step
+    seq_lens = batch.seq_lens.tolist()
+    q_lens = [end - start for start, end in pairwise(starts)]
+    decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    groups = [decode_group(batch, decodes, max(seq_lens[i] for i in decodes))] if decodes else []
+    for i, q_len in enumerate(q_lens):
+        if q_len > 1:
+            groups.append(chunk_group(batch, i, slice(starts[i], starts[i + 1]), seq_lens[i]))
+    return groups
+
+
+def decode_group(batch: ForwardBatch, decodes: list[int], length: int) -> AttentionGroup:
+    """One new token per sequence, at its newest position; contexts padded to `length`."""
+    seqs = torch.tensor(decodes, dtype=torch.long, device=batch.seq_lens.device)
+    query_pos = batch.seq_lens[seqs, None] - 1  # (s, 1)
+    slots = context_slots(batch, seqs, length)
+    return AttentionGroup(batch.query_start_loc[seqs], slots, causal_mask(query_pos, length))
+
+
+def chunk_group(batch: ForwardBatch, i: int, tokens: slice, seq_len: int) -> AttentionGroup:
+    """Sequence i's new tokens are the last q_len of its seq_len positions."""
+    q_len = tokens.stop - tokens.start
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=batch.seq_lens.device)[None]
+    slots = context_slots(batch, slice(i, i + 1), seq_len)
+    return AttentionGroup(tokens, slots, causal_mask(query_pos, seq_len))
+
+
 def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache: (num_blocks, block_size, H_kv, D), slots: (s, L) -> (s, H_kv, L, D)."""
     flat = cache.flatten(0, 1)  # (num_slots, H_kv, D): slot s is [s // block_size, s % block_size]
@@ -67,46 +123,25 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.transpose(1, 2)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor):
-    """q: (s, H, Q, D) at positions query_pos (s, Q); k, v: (s, H_kv, L, D) at positions 0..L-1.
-
-    A query sees the keys at positions <= its own: causal, and blind to the padding past its
-    sequence's end. `enable_gqa` lets each KV head serve its group of query heads without copies.
-    """
-    key_pos = torch.arange(k.shape[2], device=k.device)
-    visible = key_pos <= query_pos[..., None]  # (s, Q, L)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=True)
-
-
 def context_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
 ) -> torch.Tensor:
     """Readable varlen paged attention. q: (N, H, D); caches: (num_blocks, block_size, H_kv, D)
     -> (N, H, D).
 
-    Nothing is padded to the step's longest query. Sequences with one new token (decodes, most of
-    a busy step) run as one batch, their contexts padded to max_seq_len: O(S * L). A sequence with
-    several new tokens (a prompt chunk) runs alone on its own context: O(q_len * seq_len).
+    A step costs the sum of q_len * seq_len over its sequences (decodes padded to the longest
+    decode context), never S * max_query_len * max_seq_len.
     """
     out = torch.empty_like(q)
-    starts = batch.query_start_loc.tolist()  # host ints to slice the packed tokens with
-    q_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
-    one_token = [i for i, n in enumerate(q_lens) if n == 1]
-    decodes = torch.tensor(one_token, dtype=torch.long, device=q.device)
-    if len(decodes) > 0:
-        tokens = batch.query_start_loc[decodes]  # each decode's one new token
-        slots = context_slots(batch, decodes, batch.max_seq_len)
-        k, v = gather(k_cache, slots), gather(v_cache, slots)  # (S_d, H_kv, L, D)
-        query_pos = batch.seq_lens[decodes, None] - 1  # (S_d, 1): the newest position
-        out[tokens] = attend(q[tokens, :, None], k, v, query_pos)[:, :, 0]
-    for i, seq_len in enumerate(batch.seq_lens.tolist()):
-        if q_lens[i] > 1:
-            slots = context_slots(batch, slice(i, i + 1), seq_len)
-            k, v = gather(k_cache, slots), gather(v_cache, slots)  # (1, H_kv, L, D)
-            # The new tokens are the last q_len of the sequence's seq_len positions.
-            query_pos = torch.arange(seq_len - q_lens[i], seq_len, device=q.device)[None]
-            q_i = q[starts[i] : starts[i + 1]].transpose(0, 1)[None]  # (1, H, q_len, D)
-            out[starts[i] : starts[i + 1]] = attend(q_i, k, v, query_pos)[0].transpose(0, 1)
+    for group in batch.attention_groups:
+        s, q_len, _ = group.visible.shape
+        k, v = gather(k_cache, group.slots), gather(v_cache, group.slots)  # (s, H_kv, L, D)
+        q_group = q[group.tokens].view(s, q_len, *q.shape[1:]).transpose(1, 2)  # (s, H, Q, D)
+        # enable_gqa: each KV head serves its group of query heads, without copying it.
+        o = F.scaled_dot_product_attention(
+            q_group, k, v, attn_mask=group.visible[:, None], enable_gqa=True
+        )
+        out[group.tokens] = o.transpose(1, 2).flatten(0, 1)
     return out
 
 
