@@ -124,14 +124,22 @@ def workload_w() -> list[Request]:
     return seeded_workload(0, W_NUM_REQUESTS, W_PROMPT_LEN, W_OUTPUT_LEN, W_ID_RANGE)
 
 
-def step_times(tokens: Iterable) -> list[float]:
-    """Seconds between consecutive items of a token iterator (the first includes its prefill)."""
-    times, start = [], time.perf_counter()
+def step_times(tokens: Iterable) -> tuple[list[float], list[float]]:
+    """(wall seconds, process CPU seconds) between consecutive items of a token iterator; the
+    first step includes its prefill.
+
+    CPU time (`time.process_time`, all of this process's threads) is what a step costs; wall time
+    also counts the time slices other jobs take on a shared machine. With 1 thread and an idle
+    machine the two agree.
+    """
+    wall, cpu = [], []
+    wall_start, cpu_start = time.perf_counter(), time.process_time()
     for _ in tokens:
-        now = time.perf_counter()
-        times.append(now - start)
-        start = now
-    return times
+        wall_now, cpu_now = time.perf_counter(), time.process_time()
+        wall.append(wall_now - wall_start)
+        cpu.append(cpu_now - cpu_start)
+        wall_start, cpu_start = wall_now, cpu_now
+    return wall, cpu
 
 
 def median_per_step(runs: list[list[float]]) -> list[float]:
