@@ -1,10 +1,17 @@
-"""Phase 2: truncation masks checked exactly, sampling checked statistically with fixed seeds."""
+"""Phase 2: truncation masks checked exactly, sampling checked statistically with fixed seeds.
+
+Generation is checked against oracles outside the package under test (the tests also run on a
+learner's copy: `pytest tests/phase2 --impl NAME`): phase 1's greedy loop on the same weights for
+temperature 0, and a seeded draw written out with torch for a sampled request.
+"""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+import phase1_naive
 from phase2_sampling import ModelConfig, Sampler, SamplingParams, TinyTransformer, generate
 from phase2_sampling.sampling import filtered_logits, min_p_mask, top_k_mask, top_p_mask
 
@@ -114,17 +121,60 @@ def test_greedy_is_argmax():
     assert sampler(LOGITS) == 1
 
 
-def test_seed_makes_requests_reproducible():
+@pytest.fixture(scope="module")
+def state():
     torch.manual_seed(0)
+    return phase1_naive.TinyTransformer(phase1_naive.ModelConfig()).state_dict()
+
+
+@pytest.fixture(scope="module")
+def model(state):
     model = TinyTransformer(ModelConfig()).eval()
-    params = SamplingParams(temperature=1.0, max_tokens=20, seed=1234)
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.fixture(scope="module")
+def phase1_model(state):
+    model = phase1_naive.TinyTransformer(phase1_naive.ModelConfig()).eval()
+    model.load_state_dict(state)
+    return model
+
+
+@torch.no_grad()
+def reference_draws(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """What a seeded request must produce, written out with torch: logits / temperature, the
+    top-k logits kept, one `torch.multinomial` draw per step from a generator seeded once."""
+    generator = torch.Generator().manual_seed(params.seed)
+    ids = list(prompt)
+    for _ in range(params.max_tokens):
+        logits = model(torch.tensor([ids]))[0, -1].float() / params.temperature
+        kth_largest = logits.topk(params.top_k).values[-1]
+        probs = torch.softmax(logits.masked_fill(logits < kth_largest, float("-inf")), dim=-1)
+        ids.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return ids[len(prompt) :]
+
+
+def test_greedy_generate_is_phase1s(model, phase1_model):
+    prompt = [5, 17, 300, 42]
+    expected = phase1_naive.generate(phase1_model, prompt, max_new_tokens=12)
+    assert generate(model, prompt, SamplingParams(temperature=0.0, max_tokens=12)) == expected
+    eos = expected[4]
+    stopped = generate(model, prompt, SamplingParams(temperature=0.0, max_tokens=12), eos)
+    assert stopped == expected[: expected.index(eos) + 1]
+
+
+def test_seed_makes_requests_reproducible(model, phase1_model):
+    params = SamplingParams(temperature=0.8, top_k=50, max_tokens=20, seed=1234)
+    torch.manual_seed(0)
     a = generate(model, [1, 2, 3], params)
     torch.manual_seed(999)  # the global RNG must not matter
     b = generate(model, [1, 2, 3], params)
-    c = generate(model, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=20, seed=4321))
-    assert a == b
+    c = generate(model, [1, 2, 3], replace(params, seed=4321))
+    assert a == b == reference_draws(phase1_model, [1, 2, 3], params)
     assert a != c
-    assert len(a) == 20
+    greedy = phase1_naive.generate(phase1_model, [1, 2, 3], max_new_tokens=20)
+    assert a != greedy, "the seeded request should not just be greedy"
 
 
 @pytest.mark.parametrize(
