@@ -1,7 +1,17 @@
-"""One harness for every phase's benchmark: seeded workloads and self-describing JSON results.
+"""One harness for every phase's benchmark: command line, seeded workloads, timing, JSON results.
 
 A number without its machine, versions, commit and baseline is not a result. Every benchmark
-writes through `write_result`, which stamps all of that next to the measurements.
+writes through `write_result`, which stamps all of that next to the measurements. The conventions
+(workload W, threads, steady windows, same-run baselines) are written down in
+benchmarks/README.md.
+
+Every script takes the same options (`benchmark_parser`):
+- `--out DIR`: where the JSON (and PNG) go. The default is a scratch directory under the system
+  temp dir, so trying a benchmark never touches the repository; `--out benchmarks/results`
+  updates the committed results, and only then.
+- `--quick`: a smaller run of the same measurement (seconds instead of minutes) to check that a
+  script works; its JSON says `"quick": true` and its numbers are not the ones the READMEs quote.
+- `--threads N`: torch intra-op threads (CPU benchmarks).
 """
 
 import argparse
@@ -10,14 +20,18 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).parent / "results"
+RESULTS_DIR = Path(__file__).parent / "results"  # the committed results: written only on request
+SCRATCH_DIR = Path(tempfile.gettempdir()) / "mini-vllm-benchmarks"
 # Every CPU benchmark runs with the same torch thread count, recorded as `torch_threads` in its
 # JSON. 2 = the development machine's cores, what a learner gets; on the quiet machine 2 threads
 # were as fast as or faster than 1 for TinyTransformer (phase 0 forward at 400 tokens 14 vs 25 ms,
@@ -28,13 +42,46 @@ DEFAULT_THREADS = 2
 
 def add_thread_arg(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
-        "--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads"
+        "--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads (default 2)"
     )
     return parser
 
 
 def set_threads(n: int = DEFAULT_THREADS) -> None:
     torch.set_num_threads(n)
+
+
+def benchmark_parser(doc: str | None, threads: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark shares; `doc` (the script's docstring) is its --help text."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=SCRATCH_DIR,
+        help=f"directory for the JSON/PNG results (default: {SCRATCH_DIR}; "
+        "pass benchmarks/results to update the committed ones)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small run to check the script works; not the numbers the READMEs quote",
+    )
+    if threads:
+        add_thread_arg(parser)
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parses, sets the torch thread count (if the parser has --threads), creates --out."""
+    args = parser.parse_args()
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        set_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
 
 
 @dataclass(frozen=True)
@@ -52,8 +99,8 @@ def seeded_workload(
 ) -> list[Request]:
     """Random prompts and output lengths, the same for every phase given the same arguments.
 
-    Drawn like nano-vllm's bench.py (all prompts first, then all output lengths) so that the
-    reference workload W of SPEC.md is `seeded_workload(0, 256, (100, 1024), (100, 1024), 10001)`.
+    Drawn like nano-vllm's bench.py (all prompts first, then all output lengths), so that
+    workload W (benchmarks/README.md) is `workload_w()`.
     """
     rng = random.Random(seed)
     prompts = [
@@ -62,6 +109,48 @@ def seeded_workload(
     ]
     max_tokens = [rng.randint(*output_len) for _ in range(num_requests)]
     return [Request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+
+
+# Workload W, nano-vllm's bench.py workload: 256 requests, prompts of 100-1,024 random ids below
+# 10,001, max_tokens 100-1,024, ignore_eos, temperature 0.6. 142,827 prompt + 133,966 output tokens.
+W_NUM_REQUESTS = 256
+W_PROMPT_LEN = (100, 1024)
+W_OUTPUT_LEN = (100, 1024)
+W_ID_RANGE = 10001  # randint(0, 10000): ids 0..10000
+W_TEMPERATURE = 0.6
+
+
+def workload_w() -> list[Request]:
+    return seeded_workload(0, W_NUM_REQUESTS, W_PROMPT_LEN, W_OUTPUT_LEN, W_ID_RANGE)
+
+
+def step_times(tokens: Iterable) -> tuple[list[float], list[float]]:
+    """(wall seconds, process CPU seconds) between consecutive items of a token iterator; the
+    first step includes its prefill.
+
+    CPU time (`time.process_time`, all of this process's threads) is what a step costs; wall time
+    also counts the time slices other jobs take on a shared machine. With 1 thread and an idle
+    machine the two agree.
+    """
+    wall, cpu = [], []
+    wall_start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in tokens:
+        wall_now, cpu_now = time.perf_counter(), time.process_time()
+        wall.append(wall_now - wall_start)
+        cpu.append(cpu_now - cpu_start)
+        wall_start, cpu_start = wall_now, cpu_now
+    return wall, cpu
+
+
+def median_per_step(runs: list[list[float]]) -> list[float]:
+    """Step i's median over several runs of the same loop: one slow step (another process, the
+    allocator) in one run does not move it."""
+    return [statistics.median(step) for step in zip(*runs, strict=True)]
+
+
+def window_medians(times: list[float], window: int) -> list[float]:
+    """Median of each consecutive `window` steps (the last window may be shorter)."""
+    return [statistics.median(times[lo : lo + window]) for lo in range(0, len(times), window)]
 
 
 def git_commit() -> str:
@@ -91,7 +180,10 @@ def environment() -> dict:
 
 
 def write_result(name: str, payload: dict, out: Path | None = None) -> Path:
-    path = out or RESULTS_DIR / f"{name}.json"
+    """Writes `{name}.json` into the directory `out` (a path ending in .json is used as is);
+    by default into the scratch directory, never into the repository."""
+    out = out or SCRATCH_DIR
+    path = out if out.suffix == ".json" else out / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, **environment(), **payload}, indent=2) + "\n")
     return path

@@ -2,22 +2,24 @@
 
 Counts the parameters of the default TinyTransformer and times `forward` on one sequence of
 several lengths (best of a few repeats, CPU or GPU). For scale it also counts the parameters of
-the same class built with Qwen3-0.6B's shapes on the `meta` device (no memory is allocated).
-Writes benchmarks/results/phase0_basics.json.
-Run: python -m benchmarks.phase0_basics [--threads 2]
+the same class built with Qwen3-0.6B's shapes on the `meta` device (no memory is allocated),
+and what that count becomes for the real Qwen3-0.6B: TinyTransformer has its own `lm_head`
+(vocab x hidden = 155.6M parameters), Qwen3-0.6B ties it to the embedding and adds a q/k RMSNorm
+(2 x head_dim weights per layer): 751.6M - 155.6M + 7,168 = 596.0M.
+Writes phase0_basics.json into --out.
+Run: python -m benchmarks.phase0_basics [--quick] [--out DIR] [--threads 2]
 """
 
-import argparse
+import time
 
 import torch
 
-from benchmarks.harness import Timer, add_thread_arg, set_threads, write_result
+from benchmarks.harness import Timer, benchmark_parser, parse_args, write_result
 from phase0_basics import ModelConfig, TinyTransformer
 
-SEQ_LENS = (16, 128, 1024)
-REPEATS = 5
-# Qwen3-0.6B's shapes (SPEC.md, reference workload W). TinyTransformer has an untied lm_head and
-# no q/k-norm, so its count is close to, not equal to, the real model's 596M.
+SEQ_LENS, QUICK_SEQ_LENS = (16, 128, 1024), (16, 128)
+REPEATS, QUICK_REPEATS = 5, 2
+# Qwen3-0.6B's shapes (workload W's model, benchmarks/README.md).
 QWEN3_0_6B_SHAPES = ModelConfig(
     vocab_size=151936,
     hidden_size=1024,
@@ -36,19 +38,31 @@ def num_params(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def forward_ms(model: TinyTransformer, seq_len: int) -> float:
+def forward_ms(model: TinyTransformer, seq_len: int, repeats: int) -> tuple[float, float]:
+    """(best wall ms, best process CPU ms) of one forward pass over `seq_len` tokens."""
     input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
     model(input_ids)  # warm-up
-    best = float("inf")
-    for _ in range(REPEATS):
+    best_wall = best_cpu = float("inf")
+    for _ in range(repeats):
+        cpu_start = time.process_time()
         with Timer() as t:
             model(input_ids)
-        best = min(best, t.seconds)
-    return 1000 * best
+        best_wall = min(best_wall, t.seconds)
+        best_cpu = min(best_cpu, time.process_time() - cpu_start)
+    return 1000 * best_wall, 1000 * best_cpu
+
+
+def qwen3_0_6b_params(untied_params: int, config: ModelConfig) -> int:
+    """The real Qwen3-0.6B's count: no separate lm_head (tied), plus q/k RMSNorm weights."""
+    lm_head = config.vocab_size * config.hidden_size
+    qk_norm = config.num_layers * 2 * config.head_dim
+    return untied_params - lm_head + qk_norm
 
 
 def main():
-    set_threads(add_thread_arg(argparse.ArgumentParser()).parse_args().threads)
+    args = parse_args(benchmark_parser(__doc__))
+    seq_lens = QUICK_SEQ_LENS if args.quick else SEQ_LENS
+    repeats = QUICK_REPEATS if args.quick else REPEATS
     torch.manual_seed(0)
     config = ModelConfig()
     model = TinyTransformer(config).eval()
@@ -58,22 +72,34 @@ def main():
 
     print(f"TinyTransformer (default config): {tiny_params:,} parameters")
     rows = []
-    for seq_len in SEQ_LENS:
-        ms = forward_ms(model, seq_len)
-        rows.append({"seq_len": seq_len, "forward_ms": round(ms, 3)})
-        print(f"  forward, 1 x {seq_len:4d} tokens: {ms:7.2f} ms")
+    for seq_len in seq_lens:
+        wall_ms, cpu_ms = forward_ms(model, seq_len, repeats)
+        rows.append(
+            {
+                "seq_len": seq_len,
+                "forward_ms": round(wall_ms, 3),
+                "forward_cpu_ms": round(cpu_ms, 3),
+            }
+        )
+        print(f"  forward, 1 x {seq_len:4d} tokens: {wall_ms:7.2f} ms wall, {cpu_ms:7.2f} ms CPU")
+    real_params = qwen3_0_6b_params(big_params, QWEN3_0_6B_SHAPES)
     print(
         f"Same class at Qwen3-0.6B shapes: {big_params:,} parameters "
-        f"= {big_params * BF16_BYTES / 1e9:.2f} GB in bf16"
+        f"= {big_params * BF16_BYTES / 1e9:.2f} GB in bf16 (untied lm_head); the real Qwen3-0.6B "
+        f"(tied, q/k norm): {real_params:,}"
     )
     path = write_result(
         "phase0_basics",
         {
-            "workload": {"model": config.__dict__, "repeats": REPEATS, "timing": "best of"},
+            "quick": args.quick,
+            "workload": {"model": config.__dict__, "repeats": repeats, "timing": "best of"},
             "tiny_params": tiny_params,
             "forward": rows,
             "qwen3_0_6b_shapes_params": big_params,
+            "qwen3_0_6b_shapes_note": "TinyTransformer: untied lm_head, no q/k norm",
+            "qwen3_0_6b_real_params": real_params,
         },
+        args.out,
     )
     print(f"wrote {path}")
 

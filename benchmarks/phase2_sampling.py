@@ -5,23 +5,24 @@ Repetition: the seeded TinyTransformer continues a few seeded random prompts und
 same output (0 = never repeats, near 1 = stuck in a loop) and the fraction of distinct tokens.
 Overhead: the time `Sampler` takes to choose one token from a logits vector, greedy vs each
 filter, at TinyTransformer's vocabulary and at Qwen3's (151,936), next to one forward step.
-Writes benchmarks/results/phase2_sampling.json.
-Run: python -m benchmarks.phase2_sampling [--threads 2]
+Phase 2's promise that the filters matter more on a trained model is measured on a real
+checkpoint by benchmarks/phase6_sampling.py.
+Writes phase2_sampling.json into --out.
+Run: python -m benchmarks.phase2_sampling [--quick] [--out DIR] [--threads 2]
 """
 
-import argparse
 import random
 import time
 
 import torch
 
-from benchmarks.harness import Timer, add_thread_arg, set_threads, write_result
+from benchmarks.harness import Timer, benchmark_parser, parse_args, write_result
 from phase2_sampling import ModelConfig, Sampler, SamplingParams, TinyTransformer, generate
 
 SEED = 0
 NUM_PROMPTS = 4
 PROMPT_LEN = 8
-NEW_TOKENS = 128
+NEW_TOKENS, QUICK_NEW_TOKENS = 128, 16
 NGRAM = 4
 QWEN3_VOCAB = 151936
 SAMPLER_CALLS = 20  # per timing; best of TIMING_REPEATS
@@ -46,11 +47,11 @@ def repeated_ngram_fraction(ids: list[int], n: int = NGRAM) -> float:
     return repeats / total
 
 
-def repetition(model: TinyTransformer, prompts: list[list[int]]) -> list[dict]:
+def repetition(model: TinyTransformer, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     rows = []
     for name, kwargs in CONFIGS.items():
         outs = [
-            generate(model, p, SamplingParams(max_tokens=NEW_TOKENS, seed=SEED + i, **kwargs))
+            generate(model, p, SamplingParams(max_tokens=new_tokens, seed=SEED + i, **kwargs))
             for i, p in enumerate(prompts)
         ]
         rows.append(
@@ -93,7 +94,8 @@ def forward_step_us(model: TinyTransformer, seq_len: int) -> float:
 
 
 def main():
-    set_threads(add_thread_arg(argparse.ArgumentParser()).parse_args().threads)
+    args = parse_args(benchmark_parser(__doc__))
+    new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
     torch.manual_seed(SEED)
     config = ModelConfig()
     model = TinyTransformer(config).eval()
@@ -101,8 +103,8 @@ def main():
     prompts = [[rng.randrange(config.vocab_size) for _ in range(PROMPT_LEN)] for _ in CONFIGS]
     prompts = prompts[:NUM_PROMPTS]
 
-    rep_rows = repetition(model, prompts)
-    print(f"repetition over {NUM_PROMPTS} prompts x {NEW_TOKENS} new tokens:")
+    rep_rows = repetition(model, prompts, new_tokens)
+    print(f"repetition over {NUM_PROMPTS} prompts x {new_tokens} new tokens:")
     for r in rep_rows:
         print(
             f"  {r['config']:30s} repeated 4-grams {r['repeated_4gram_fraction']:.3f}, "
@@ -116,7 +118,7 @@ def main():
         for vocab in (config.vocab_size, QWEN3_VOCAB):
             row[f"us_per_token_vocab_{vocab}"] = round(sampler_us(params, vocab), 1)
         cost_rows.append(row)
-    step_len = PROMPT_LEN + NEW_TOKENS // 2
+    step_len = PROMPT_LEN + new_tokens // 2
     step_us = forward_step_us(model, step_len)
     print(f"sampler cost per token (one forward step at length {step_len}: {step_us:.0f} us):")
     for r in cost_rows:
@@ -127,18 +129,20 @@ def main():
     path = write_result(
         "phase2_sampling",
         {
+            "quick": args.quick,
             "workload": {
                 "model": config.__dict__,
                 "seed": SEED,
                 "num_prompts": NUM_PROMPTS,
                 "prompt_len": PROMPT_LEN,
-                "new_tokens": NEW_TOKENS,
+                "new_tokens": new_tokens,
                 "timing": f"best of {TIMING_REPEATS} x {SAMPLER_CALLS} calls",
             },
             "repetition": rep_rows,
             "sampler_cost": cost_rows,
             "forward_step_us": {"seq_len": step_len, "us": round(step_us, 1)},
         },
+        args.out,
     )
     print(f"wrote {path}")
 

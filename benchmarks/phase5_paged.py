@@ -1,18 +1,20 @@
 """Phase 5 benchmark: paged KV memory vs phase 4's contiguous regions, and prefix caching.
 
-(a) KV memory utilization on one mixed workload, phase 4 (baseline, same run, same weights) vs
-    phase 5, in the same KV capacity: tokens actually stored / slots reserved, sampled after every
-    step, plus how many requests ran at once. Requests declare max_tokens=256 (what a client asks
-    for, and what phase 4 must reserve) but stop after a seeded length of 8-128 tokens, the way
-    EOS or a stop string ends real requests early: the engine cannot know it in advance. The stop
-    is applied by aborting the request the moment it has that many tokens, in both phases.
+(a) KV memory utilization, phase 4 (baseline, same run, same weights) vs phase 5, in the same KV
+    capacity: tokens actually stored / slots reserved, sampled after every step, plus how many
+    requests ran at once. Requests declare max_tokens=256 (what a client asks for, and what
+    phase 4 must reserve) but stop after a seeded number of tokens, the way EOS or a stop string
+    ends real requests early: the engine cannot know it in advance. The stop is applied by
+    aborting the request the moment it has that many tokens, in both phases. The gain depends on
+    how far replies fall short of max_tokens, so it is measured over several distributions of
+    that length (STOP_DISTRIBUTIONS): uniform 8-128, a long tail (1 in 8 long), all short, all long.
 (b) Prefix caching on a shared-system-prompt workload: 32 requests = one 256-token system prompt
     + a unique 8-32-token suffix, 32 output tokens each; hit rate, prompt tokens computed, wall
     time, output tok/s and mean time to first token, caching on vs off.
-Run: python -m benchmarks.phase5_paged [--threads 2]   (writes results/phase5_paged.json and .png)
+Writes phase5_paged.json and phase5_paged.png into --out.
+Run: python -m benchmarks.phase5_paged [--quick] [--out DIR] [--threads 2]
 """
 
-import argparse
 import random
 import time
 
@@ -20,13 +22,7 @@ import torch
 
 import phase4_scheduler as p4
 import phase5_paged as p5
-from benchmarks.harness import (
-    RESULTS_DIR,
-    add_thread_arg,
-    seeded_workload,
-    set_threads,
-    write_result,
-)
+from benchmarks.harness import benchmark_parser, parse_args, seeded_workload, write_result
 
 MODEL = {
     "vocab_size": 2048,
@@ -42,8 +38,20 @@ KV_SLOTS = 4096  # the same KV memory for both phases: 256 blocks of 16 in phase
 BLOCK_SIZE = 16
 MAX_NUM_SEQS = 64  # high enough that KV memory, not this cap, limits concurrency
 DECLARED_MAX_TOKENS = 256
-STOP_AFTER = (8, 128)
-SYSTEM_PROMPT_LEN, SUFFIX_LEN, SHARED_REQUESTS, SHARED_OUTPUT = 256, (8, 32), 32, 32
+NUM_REQUESTS, QUICK_NUM_REQUESTS = 32, 8
+LONG_SHARE = 0.125  # the long-tail mix: 1 request in 8 runs almost to max_tokens
+# Reply length (tokens until the request stops) drawn per request from random.Random(6).
+STOP_DISTRIBUTIONS = {
+    "uniform 8-128": lambda rng: rng.randint(8, 128),
+    "long tail: 7/8 at 8-32, 1/8 at 192-256": lambda rng: (
+        rng.randint(192, DECLARED_MAX_TOKENS) if rng.random() < LONG_SHARE else rng.randint(8, 32)
+    ),
+    "all short 8-32": lambda rng: rng.randint(8, 32),
+    "all long 192-256": lambda rng: rng.randint(192, DECLARED_MAX_TOKENS),
+}
+HEADLINE = "uniform 8-128"  # the distribution the plot's step curves show
+SYSTEM_PROMPT_LEN, SUFFIX_LEN, SHARED_OUTPUT = 256, (8, 32), 32
+SHARED_REQUESTS, QUICK_SHARED_REQUESTS = 32, 8
 
 
 def build(mod, state):
@@ -86,10 +94,12 @@ def drive(engine, mod, prompts, max_tokens, stop_after=None) -> dict:
     }
 
 
-def utilization(state) -> dict:
-    work = seeded_workload(5, 32, (16, 256), (DECLARED_MAX_TOKENS,) * 2, MODEL["vocab_size"])
+def utilization(state, distribution: str, num_requests: int) -> dict:
+    work = seeded_workload(
+        5, num_requests, (16, 256), (DECLARED_MAX_TOKENS,) * 2, MODEL["vocab_size"]
+    )
     rng = random.Random(6)
-    stop_after = [rng.randint(*STOP_AFTER) for _ in work]
+    stop_after = [STOP_DISTRIBUTIONS[distribution](rng) for _ in work]
     prompts, max_tokens = [r.prompt_ids for r in work], [r.max_tokens for r in work]
     common = {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512}
     engines = {
@@ -124,30 +134,34 @@ def utilization(state) -> dict:
             "utilization_per_step": [round(u, 4) for u in r["util"]],
         }
         print(
-            f"{name}: utilization mean {results[name]['mean_utilization']:.1%}, "
+            f"  {name}: utilization mean {results[name]['mean_utilization']:.1%}, "
             f"peak running {results[name]['peak_running_seqs']}, "
             f"{r['output_tok_s']:.0f} tok/s, {r['seconds']:.1f} s"
         )
+    results["speedup_output_tok_s"] = (
+        results["phase5_paged"]["output_tok_s"] / results["phase4_scheduler"]["output_tok_s"]
+    )
+    results["mean_stop_after"] = sum(stop_after) / len(stop_after)
     results["workload"] = (
-        f"seeded_workload(5, 32, (16, 256), ({DECLARED_MAX_TOKENS}, {DECLARED_MAX_TOKENS})): "
-        f"declared max_tokens {DECLARED_MAX_TOKENS}, each request stops after "
-        f"random.Random(6).randint{STOP_AFTER} tokens; greedy; KV capacity {KV_SLOTS} token slots "
-        f"(phase 5: block_size {BLOCK_SIZE}, prefix caching off); max_num_seqs {MAX_NUM_SEQS}, "
-        "max_num_batched_tokens 512"
+        f"seeded_workload(5, {num_requests}, (16, 256), ({DECLARED_MAX_TOKENS}, "
+        f"{DECLARED_MAX_TOKENS})): declared max_tokens {DECLARED_MAX_TOKENS}, each request stops "
+        f"after {distribution} tokens (random.Random(6)); greedy; KV capacity {KV_SLOTS} token "
+        f"slots (phase 5: block_size {BLOCK_SIZE}, prefix caching off); max_num_seqs "
+        f"{MAX_NUM_SEQS}, max_num_batched_tokens 512"
     )
     return results
 
 
-def prefix_caching(state) -> dict:
+def prefix_caching(state, num_requests: int) -> dict:
     rng = random.Random(7)
     system = [rng.randrange(MODEL["vocab_size"]) for _ in range(SYSTEM_PROMPT_LEN)]
     prompts = [
         system + [rng.randrange(MODEL["vocab_size"]) for _ in range(rng.randint(*SUFFIX_LEN))]
-        for _ in range(SHARED_REQUESTS)
+        for _ in range(num_requests)
     ]
     results = {}
     for caching in (False, True):
-        config = p5.EngineConfig(max_num_seqs=SHARED_REQUESTS, enable_prefix_caching=caching)
+        config = p5.EngineConfig(max_num_seqs=num_requests, enable_prefix_caching=caching)
         engine = p5.LLMEngine(build(p5, state), config, trace=p5.StepTrace())
         r = drive(engine, p5, prompts, [SHARED_OUTPUT] * len(prompts))
         bm = engine.block_manager
@@ -166,23 +180,25 @@ def prefix_caching(state) -> dict:
     results["speedup_output_tok_s"] = on["output_tok_s"] / off["output_tok_s"]
     results["ttft_reduction"] = 1 - on["mean_ttft_s"] / off["mean_ttft_s"]
     results["workload"] = (
-        f"{SHARED_REQUESTS} requests: one {SYSTEM_PROMPT_LEN}-token system prompt + a unique "
+        f"{num_requests} requests: one {SYSTEM_PROMPT_LEN}-token system prompt + a unique "
         f"random.Random(7) suffix of {SUFFIX_LEN} tokens, {SHARED_OUTPUT} greedy output tokens; "
         f"EngineConfig defaults (block_size 16, 512 blocks, budget 256), max_num_seqs "
-        f"{SHARED_REQUESTS}"
+        f"{num_requests}"
     )
     return results
 
 
-def plot(util: dict, prefix: dict) -> None:
+def plot(path, util: dict, prefix: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (a, c, b) = plt.subplots(
+        1, 3, figsize=(15, 3.8), gridspec_kw={"width_ratios": [2, 1.4, 1]}
+    )
     for name in ("phase4_scheduler", "phase5_paged"):
-        r = util[name]
+        r = util[HEADLINE][name]
         a.plot(
             [100 * u for u in r["utilization_per_step"]],
             lw=0.8,
@@ -193,9 +209,17 @@ def plot(util: dict, prefix: dict) -> None:
         xlabel="step",
         ylabel="tokens stored / slots reserved (%)",
         ylim=(0, 105),
-        title=f"KV utilization, same {KV_SLOTS}-slot cache",
+        title=f"KV utilization, same {KV_SLOTS}-slot cache, replies {HEADLINE}",
     )
     a.legend(loc="lower right", fontsize=8)
+    names = list(util)
+    x = range(len(names))
+    for offset, phase in ((-0.2, "phase4_scheduler"), (0.2, "phase5_paged")):
+        c.bar([i + offset for i in x], [100 * util[n][phase]["mean_utilization"] for n in names],
+              width=0.4, label=phase)  # fmt: skip
+    c.set_xticks(list(x), [n.split(":")[0] for n in names], fontsize=7)
+    c.set(ylabel="mean KV utilization (%)", ylim=(0, 105), title="by reply-length distribution")
+    c.legend(loc="lower right", fontsize=8)
     labels = ["caching off", "caching on"]
     b.bar(labels, [prefix[k]["output_tok_s"] for k in ("off", "on")], color=["grey", "tab:green"])
     b.set(
@@ -203,26 +227,34 @@ def plot(util: dict, prefix: dict) -> None:
         title=f"{SYSTEM_PROMPT_LEN}-token shared prefix, hit rate {prefix['on']['hit_rate']:.0%}",
     )
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / "phase5_paged.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main():
-    set_threads(add_thread_arg(argparse.ArgumentParser()).parse_args().threads)
+    args = parse_args(benchmark_parser(__doc__))
     torch.manual_seed(0)
     state = p4.TinyTransformer(p4.ModelConfig(**MODEL)).state_dict()
-    util = utilization(state)
-    prefix = prefix_caching(state)
-    write_result(
+    util = {}
+    for distribution in STOP_DISTRIBUTIONS:
+        print(f"replies {distribution}:")
+        util[distribution] = utilization(
+            state, distribution, QUICK_NUM_REQUESTS if args.quick else NUM_REQUESTS
+        )
+    prefix = prefix_caching(state, QUICK_SHARED_REQUESTS if args.quick else SHARED_REQUESTS)
+    path = write_result(
         "phase5_paged",
         {
+            "quick": args.quick,
             "model": MODEL,
             "baseline": "phase4_scheduler (contiguous slot regions), same weights, same run",
             "kv_utilization": util,
             "prefix_caching": prefix,
         },
+        args.out,
     )
-    plot(util, prefix)
+    print(f"wrote {path}")
+    plot(args.out / "phase5_paged.png", util, prefix)
 
 
 if __name__ == "__main__":

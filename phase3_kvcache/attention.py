@@ -23,6 +23,7 @@ from .kv_cache import KVCache
 from .rope import RotaryEmbedding
 
 
+# exercise 3.2: the static batch's causal and padding mask
 def hidden_keys_mask(
     T: int, S: int, padding_mask: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:

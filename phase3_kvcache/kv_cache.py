@@ -34,6 +34,7 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
+    # exercise 3.1: the KV cache append
     def update(
         self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -145,6 +145,7 @@ class BPETokenizer:
             ids = self._cache[word] = self._bpe(word.encode())
         return ids
 
+    # exercise 0.1: BPE encoding, the merges replayed by rank
     def _bpe(self, data: bytes) -> list[int]:
         if self._ignore_merges and data in self._vocab:
             return [self._vocab[data]]
@@ -249,6 +250,7 @@ def _merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]
     return out
 
 
+# exercise 0.2: BPE training, the merge loop
 def _learn_merges(
     word_freqs: Counter[bytes], id_to_bytes: list[bytes], target_size: int
 ) -> list[tuple[int, int]]:

@@ -6,6 +6,7 @@ requests leave and waiting ones join at once; when the KV cache is full the newe
 preempted and recomputed later.
 """
 
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine import LLM, CompletionOutput, LLMEngine, RequestOutput
 from .model import ModelConfig, TinyTransformer
@@ -17,6 +18,7 @@ from .trace import StepTrace
 __all__ = [
     "LLM",
     "BPETokenizer",
+    "BlockManager",
     "CompletionOutput",
     "EngineConfig",
     "FinishReason",

@@ -13,17 +13,18 @@ survives preemption); it never decides who runs.
 import torch
 
 from .attention import ForwardBatch
+from .block_manager import BlockManager
 from .config import EngineConfig
-from .kv_cache import KVCache, SlotAllocator
+from .kv_cache import KVCache
 from .model import TinyTransformer
 from .sampling import Sampler
 from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: TinyTransformer, config: EngineConfig, allocator: SlotAllocator):
+    def __init__(self, model: TinyTransformer, config: EngineConfig, block_manager: BlockManager):
         self.model = model
-        self.allocator = allocator
+        self.block_manager = block_manager
         self.device = next(model.parameters()).device
         c = model.config
         dtype = model.lm_head.weight.dtype
@@ -43,7 +44,7 @@ class ModelRunner:
             seq_lens.append(end)
             if end == seq.num_tokens:  # caught up: the last token's logits pick the next one
                 logits_indices.append(query_start_loc[-1] - 1)
-        starts = [self.allocator.regions[seq.seq_id].start for seq, _ in scheduled]
+        starts = [self.block_manager.regions[seq.seq_id].start for seq, _ in scheduled]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         positions_t = as_tensor(positions)
         token_starts = torch.repeat_interleave(

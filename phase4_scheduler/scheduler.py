@@ -12,7 +12,12 @@ With chunked prefill a prompt larger than the remaining budget takes what is lef
 continues next step; without it, a prompt waits until it fits whole.
 When a running sequence cannot get KV room, the most recently admitted sequence is preempted
 (LIFO, like an OOM killer picking the newest process): its cache is freed and it goes back to the
-front of the waiting queue, to be recomputed from scratch.
+front of the waiting queue, to be recomputed from scratch. A sequence alone in the pool always
+finds room (the block manager moves its region if it must), so it never preempts itself.
+Admission keeps a watermark: a newcomer is admitted only if, besides its own tokens, one slot per
+running sequence (the newcomer included) stays free, so the next decode step does not have to
+evict what this step took in. (vLLM keeps 1% of the cache free; one slot per sequence is what our
+small pools need.) After a preemption nobody is admitted in the same step: memory is short.
 
 Invariants (check_invariants): every running sequence has a KV region and no other sequence has
 one; running <= max_num_seqs; waiting sequences have num_computed_tokens == 0.
@@ -21,8 +26,8 @@ one; running <= max_num_seqs; waiting sequences have num_computed_tokens == 0.
 from collections import deque
 from dataclasses import dataclass, field
 
+from .block_manager import BlockManager, RegionMove
 from .config import EngineConfig
-from .kv_cache import SlotAllocator
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -31,6 +36,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    kv_moves: list[RegionMove] = field(default_factory=list)  # to copy, in order, before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -38,9 +44,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: SlotAllocator):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
-        self.allocator = allocator
+        self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
 
@@ -57,26 +63,30 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+    # exercise 4.1: the token budget and chunked prefill
+    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+        """How many of a sequence's `remaining` uncomputed tokens run this step."""
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
 
+    # exercise 4.2: running sequences first, LIFO preemption
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            num_new = self._num_new_tokens(seq, budget)
+            num_new = self._num_new_tokens(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:
                 continue
-            while not self.allocator.can_append(seq.seq_id, num_new):
+            while not self.block_manager.can_append_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     return budget  # everyone admitted after `seq` is already gone too
-            self.allocator.append(seq.seq_id, num_new)
+            move = self.block_manager.append_slots(seq, num_new)
+            if move is not None:
+                out.kv_moves.append(move)
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return budget
@@ -84,11 +94,11 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0 or not self.allocator.can_allocate(num_new):
+            num_new = self._num_new_tokens(seq.num_tokens, budget)
+            watermark = len(self.running) + 1  # one slot per sequence, the newcomer included
+            if num_new == 0 or not self.block_manager.can_allocate(num_new, watermark):
                 return  # first come, first served: nobody overtakes the head of the queue
-            self.allocator.allocate(seq.seq_id, needed=num_new, wanted=seq.max_len)
-            self.allocator.append(seq.seq_id, num_new)
+            self.block_manager.allocate(seq, num_new)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -98,7 +108,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.seq_id)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0  # recompute: its keys/values are gone
         self.waiting.appendleft(seq)
@@ -107,19 +117,19 @@ class Scheduler:
         """Takes a sequence out of the engine (stopped, length reached or aborted)."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.allocator.free(seq.seq_id)
+            self.block_manager.free(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
     def check_invariants(self) -> None:
-        self.allocator.check_invariants()
-        assert set(self.allocator.regions) == {s.seq_id for s in self.running}
+        self.block_manager.check_invariants()
+        assert set(self.block_manager.regions) == {s.seq_id for s in self.running}
         assert len(self.running) <= self.config.max_num_seqs
         for seq in self.running:
             assert seq.status == SequenceStatus.RUNNING
             assert 0 <= seq.num_computed_tokens <= seq.num_tokens
-            assert self.allocator.regions[seq.seq_id].used >= seq.num_computed_tokens
+            assert self.block_manager.regions[seq.seq_id].used >= seq.num_computed_tokens
         for seq in self.waiting:
             assert seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0

@@ -7,6 +7,12 @@ run, runs it through the model runner, appends the sampled tokens, and retires s
 EOS, a stop token or max_tokens, freeing their KV slots for the next waiting request at once.
 `LLM.generate` is the offline loop around it: add everything, step until done.
 
+One bad request never breaks the engine: `SamplingParams` and `EngineConfig` are valid once built,
+`add_request` checks a prompt before queuing it, and `LLM.generate` is all or nothing (if anything
+raises, none of its requests stays queued or running). If a step itself raises (a model error),
+the requests it ran are aborted and their KV freed before the error propagates, so the next step
+starts clean instead of failing the same way forever.
+
 Invariant: after every step, `scheduler.check_invariants()` holds (tests call it each step).
 
 Phase 5: the engine owns a `BlockManager` instead of a slot allocator, and registers blocks that a
@@ -24,10 +30,12 @@ from .config import EngineConfig
 from .model import TinyTransformer
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
 from .tokenizer import BPETokenizer
 from .trace import StepTrace
+
+Prompt = str | list[int]  # text, or token ids
 
 
 @dataclass
@@ -47,15 +55,38 @@ class RequestOutput:
     finished: bool
 
 
+@dataclass
+class Request:
+    seq: Sequence
+    prompt: str | None  # the text the caller gave, if it gave text
+
+
+def check_prompt(name: str, prompt: object) -> None:
+    """Raises TypeError unless `prompt` is text or a list of token ids (bytes are neither)."""
+    if not isinstance(prompt, str | list):
+        raise TypeError(f"{name} must be a str or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_optional(name: str, value: object, cls: type) -> None:
+    """Raises TypeError unless `value` is None or a `cls` (an argument in the wrong place, say)."""
+    if value is not None and not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
+
+
 class LLMEngine:
     def __init__(
         self,
         model: TinyTransformer,
-        config: EngineConfig | None = None,
         tokenizer: BPETokenizer | None = None,
+        config: EngineConfig | None = None,
         eos_token_id: int | None = None,
         trace: StepTrace | None = None,
     ):
+        check_optional("tokenizer", tokenizer, BPETokenizer)
+        check_optional("config", config, EngineConfig)
+        check_optional("trace", trace, StepTrace)
+        if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int | None):
+            raise TypeError(f"eos_token_id must be an int or None, got {eos_token_id!r}")
         self.config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -66,15 +97,20 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config, self.block_manager)
-        self.requests: dict[str, tuple[Sequence, str | None]] = {}  # id -> (sequence, prompt)
+        self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
     ) -> str:
+        """Queues one request; raises (changing nothing) if it is malformed or can never run."""
+        check_prompt("prompt", prompt)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_optional("request_id", request_id, str)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
         if max_len > self.model.config.max_position_embeddings:
@@ -97,11 +133,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(seq_id, request_id, prompt_ids, params)
-        self.requests[request_id] = (seq, prompt if isinstance(prompt, str) else None)
+        self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None)
         self.scheduler.add(seq)
         return request_id
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
@@ -109,15 +145,16 @@ class LLMEngine:
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
         vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {token!r}")
         return list(prompt)
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request and frees its KV slots; unknown or finished ids are ignored."""
         if request_id not in self.requests:
             return
-        seq, _ = self.requests.pop(request_id)
+        seq = self.requests.pop(request_id).seq
         self.scheduler.finish(seq, FinishReason.ABORT)
         self.runner.release(seq)
 
@@ -125,11 +162,23 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns the requests that got a token or finished."""
+        """Runs one scheduler step; returns the requests that got a token or finished.
+
+        If the step raises, the requests it ran are aborted (their KV freed) and the error
+        propagates: what they computed is unknown, and a failure that depends on the request
+        would otherwise repeat at every later step.
+        """
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        # A step may run nothing (every running sequence was preempted); the trace still records
-        # it.
+        try:
+            return self._run(out, start)
+        except BaseException:
+            for seq, _ in out.scheduled:
+                self.abort_request(seq.request_id)
+            raise
+
+    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+        # The trace records every step, even one that scheduled nothing.
         tokens = self.runner.run(out.scheduled) if out.scheduled else []
         updated, finished = [], []
         for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):
@@ -160,12 +209,12 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        _, prompt = self.requests[seq.request_id]
+        request = self.requests[seq.request_id]
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
         reason = seq.finish_reason.value if seq.finish_reason else None
         completion = CompletionOutput(0, text, seq.output_token_ids, reason)
         return RequestOutput(
-            seq.request_id, prompt, seq.prompt_token_ids, [completion], seq.is_finished
+            seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished
         )
 
 
@@ -181,33 +230,62 @@ class LLM:
         **engine_kwargs,
     ):
         config = EngineConfig(**engine_kwargs)
-        self.engine = LLMEngine(model, config, tokenizer, eos_token_id, trace)
+        self.engine = LLMEngine(model, tokenizer, config, eos_token_id, trace)
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = []
+        """Runs every prompt to completion; outputs come back in the order of `prompts`.
+
+        All or nothing: if anything raises (a bad prompt, a model error, Ctrl-C), every request
+        of this call is aborted before the error propagates, so none runs later by surprise.
+        """
+        prompts, params = check_batch(prompts, sampling_params)
+        ids: list[str] = []
         try:
             for p, sp in zip(prompts, params, strict=True):
                 ids.append(self.engine.add_request(p, sp))
-        except ValueError:
-            for i in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
+            done: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            for i in ids:
                 self.engine.abort_request(i)
             raise
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
         return [done[i] for i in ids]
+
+
+def check_batch(
+    prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """`generate`'s arguments as one list of prompts and one of params, each checked by index.
+
+    A bare string is one prompt (as in vLLM); bytes are not text and are refused.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise TypeError(f"prompts must be a str or a list of prompts, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        check_prompt(f"prompts[{i}]", prompt)
+    params = SamplingParams() if sampling_params is None else sampling_params
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if not isinstance(params, list | tuple):
+        kind = type(params).__name__
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    for i, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(
+                f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}"
+            )
+    return list(prompts), list(params)

@@ -5,11 +5,12 @@ Idea: embed tokens, run them through a stack of decoder layers, normalize, and p
 vocabulary to get next-token logits. The architecture is Llama's (pre-norm, RoPE, GQA, SwiGLU), so
 phase 6 swaps random weights for real checkpoints without changing the shape of the code.
 
-Invariants carried by every later phase:
-- Given `torch.manual_seed(s)`, `TinyTransformer(config)` builds identical weights in every phase
-  (modules are created in the same order), and state-dict keys never change, so weights move
-  between phases with `load_state_dict`.
-- `forward(input_ids)` returns logits for every position; position t depends on tokens 0..t only.
+Invariants:
+- Given `torch.manual_seed(s)`, `TinyTransformer(config)` builds identical weights in phases 0-5
+  (modules are created in the same order) under the same state-dict keys, so weights move between
+  them with `load_state_dict`; phase 6 keeps the creation order under Hugging Face's names.
+- The logits of a token depend only on the tokens of its own sequence at positions up to its own:
+  causal, and the sequences packed into one step never see each other.
 
 Phase 3: `forward` also takes explicit positions, a KV cache and a padding mask, so a prompt is
 prefilled once and each decode step feeds only the new tokens.

@@ -56,7 +56,7 @@ class ModelRunner:
             query_start_loc=as_tensor(query_start_loc),
             seq_lens=as_tensor(seq_lens),
             slot_mapping=as_tensor(slot_mapping),
-            block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables]),  # 0: never read
+            block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables]),  # pads: masked
             logits_indices=as_tensor(logits_indices),
             max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens),

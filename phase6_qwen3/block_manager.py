@@ -64,6 +64,7 @@ class BlockManager:
     def _blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
+    # exercise 5.2: the prefix cache's hash-chain lookup
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of `seq`'s tokens. The last token is never matched:
         its logits are needed to sample, so at least one token must be computed."""
@@ -82,15 +83,17 @@ class BlockManager:
             parent = block.block_hash
         return matched
 
-    def can_allocate(self, cached: list[int], num_tokens: int) -> bool:
-        """Room for a new sequence's first `num_tokens` tokens, reusing the `cached` blocks?"""
+    def can_allocate(self, cached: list[int], num_tokens: int, watermark: int) -> bool:
+        """Room for a new sequence's first `num_tokens` tokens, reusing the `cached` blocks, with
+        `watermark` blocks still free afterwards for the running sequences' next step?"""
         new_blocks = self._blocks_needed(num_tokens) - len(cached)
         reclaimed = sum(1 for b in cached if self.blocks[b].ref_cnt == 0)  # leave the free queue
-        return new_blocks <= self.num_free_blocks - reclaimed
+        return new_blocks + watermark <= self.num_free_blocks - reclaimed
 
     def allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> None:
         """Builds `seq`'s block table: the cached prefix, then fresh blocks up to `num_tokens`.
-        Precondition: can_allocate(cached, num_tokens)."""
+        Precondition: can_allocate(cached, num_tokens, ...); seq.num_computed_tokens counts the
+        cached prefix."""
         assert seq.seq_id not in self.block_tables
         for block_id in cached:
             self._take(block_id)
@@ -105,6 +108,7 @@ class BlockManager:
         needed = self._blocks_needed(seq.num_computed_tokens + num_new) - len(table)
         return needed <= self.num_free_blocks
 
+    # exercise 5.1: block allocation
     def append_slots(self, seq: Sequence, num_new: int) -> None:
         """Grows the table to hold num_computed_tokens + num_new tokens. Precondition:
         can_append_slots (or can_allocate, when called from allocate)."""
@@ -162,6 +166,7 @@ class BlockManager:
         del self.num_cached_blocks[seq.seq_id]
         del self.num_slots_used[seq.seq_id]
 
+    # exercise 5.3: the slot mapping
     def slot(self, seq_id: int, position: int) -> int:
         table = self.block_tables[seq_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size

@@ -19,7 +19,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .kv_cache import KVCache
 from .model import Qwen3ForCausalLM
-from .sampling import Sampler
+from .sampling import Sampler, sample_batch
 from .sequence import Sequence
 
 
@@ -56,7 +56,7 @@ class ModelRunner:
             query_start_loc=as_tensor(query_start_loc),
             seq_lens=as_tensor(seq_lens),
             slot_mapping=as_tensor(slot_mapping),
-            block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables]),  # 0: never read
+            block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables]),  # pads: masked
             logits_indices=as_tensor(logits_indices),
             max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens),
@@ -75,14 +75,10 @@ class ModelRunner:
         return [next(tokens) if f else None for f in samples]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        if all(s.params.greedy for s in seqs):
-            return logits.argmax(dim=-1).tolist()  # one host transfer for the whole batch
-        tokens = []
-        for row, seq in zip(logits, seqs, strict=True):
+        for seq in seqs:
             if seq.seq_id not in self.samplers:
                 self.samplers[seq.seq_id] = Sampler(seq.params, self.device)
-            tokens.append(self.samplers[seq.seq_id](row))
-        return tokens
+        return sample_batch(logits, [self.samplers[seq.seq_id] for seq in seqs])
 
     def release(self, seq: Sequence) -> None:
         self.samplers.pop(seq.seq_id, None)

@@ -64,6 +64,7 @@ class BlockManager:
     def _blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
+    # exercise 5.2: the prefix cache's hash-chain lookup
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of `seq`'s tokens. The last token is never matched:
         its logits are needed to sample, so at least one token must be computed."""
@@ -105,6 +106,7 @@ class BlockManager:
         needed = self._blocks_needed(seq.num_computed_tokens + num_new) - len(table)
         return needed <= self.num_free_blocks
 
+    # exercise 5.1: block allocation
     def append_slots(self, seq: Sequence, num_new: int) -> None:
         """Grows the table to hold num_computed_tokens + num_new tokens. Precondition:
         can_append_slots (or can_allocate, when called from allocate)."""
@@ -162,6 +164,7 @@ class BlockManager:
         del self.num_cached_blocks[seq.seq_id]
         del self.num_slots_used[seq.seq_id]
 
+    # exercise 5.3: the slot mapping
     def slot(self, seq_id: int, position: int) -> int:
         table = self.block_tables[seq_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size

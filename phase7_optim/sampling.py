@@ -77,6 +77,7 @@ def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits < kth_largest
 
 
+# exercise 2.1: the top-p (nucleus) filter
 def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     """True where a token falls outside the nucleus: the smallest top set with mass >= p."""
     probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
@@ -114,6 +115,7 @@ class Sampler:
         else:
             self.generator.manual_seed(params.seed)
 
+    # exercise 2.2: drawing a token with the request's own generator
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: (V,) -> the chosen token id."""
         if self.params.greedy:

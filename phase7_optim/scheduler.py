@@ -61,6 +61,7 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
+    # exercise 4.1: the token budget and chunked prefill
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
         if self.config.enable_chunked_prefill:

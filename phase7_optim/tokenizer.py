@@ -186,6 +186,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.output_text = ""
 
+    # exercise 6.2: incremental detokenization
     def add_tokens(self, new_ids: Iterable[int]) -> str:
         """Append generated ids; return the text they complete ("" while a character is split)."""
         self.token_ids.extend(new_ids)

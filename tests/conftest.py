@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from tests import exercises
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -23,3 +25,47 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# --- --impl: run one phase's tests against a learner's workspace (see tests/exercises.py) ---
+
+IMPL_KEY = pytest.StashKey[exercises.Workspace]()
+
+
+def pytest_addoption(parser, pluginmanager):
+    parser.addoption(
+        "--impl",
+        metavar="WORKSPACE",
+        help="test workspace/WORKSPACE (from `python -m tests.exercises new`) instead of the phase",
+    )
+    # A phase's own conftest (tests/phase6/conftest.py) imports the package while it loads, before
+    # pytest_configure; this file loads first, so the workspace goes on sys.path here.
+    config = pluginmanager.get_plugin("pytestconfig")
+    name = parser.parse_known_args(config.invocation_params.args).impl
+    if name:
+        try:
+            workspace = exercises.resolve_workspace(name)
+            exercises.activate_workspace(workspace)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+        config.stash[IMPL_KEY] = workspace
+
+
+def pytest_unconfigure(config):
+    if IMPL_KEY in config.stash:
+        exercises.deactivate_workspace(config.stash[IMPL_KEY])
+
+
+def pytest_report_header(config):
+    if IMPL_KEY in config.stash:
+        workspace = config.stash[IMPL_KEY]
+        return f"--impl: {workspace.package} from {workspace.directory}"
+    return None
+
+
+def pytest_ignore_collect(collection_path, config):
+    if IMPL_KEY in config.stash and exercises.is_other_phase_test(
+        collection_path, config.stash[IMPL_KEY]
+    ):
+        return True
+    return None

@@ -1,6 +1,19 @@
-"""Structural rules that keep the staging honest (SPEC.md, rules of the layout)."""
+"""Structural rules that keep the staging honest.
+
+A learner reads the phases in order and runs `git diff --no-index phaseN phaseN+1` to see one
+lesson. So each phase README declares, in its `## What to diff` section, the files its lesson
+changes, adds or deletes, as a numbered list in reading order whose items open with the file name
+(relative to the phase directory) in backticks; a deleted file says "(deleted)":
+
+    1. `block_manager.py` — the paged allocator replaces the contiguous one ...
+    2. `kv_cache.py` — ...
+    3. `generate.py` (deleted) — ...
+
+Every file the list does not name must be byte-identical to the previous phase's copy.
+"""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,12 +52,91 @@ def test_every_file_opens_with_a_docstring(phase):
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no module docstring"
 
 
-@pytest.mark.parametrize("phase", PHASES)
-def test_every_phase_has_a_readme_with_the_lesson(phase):
-    """Problem, solution, analogy, how to run, what to diff (SPEC.md, rules of the layout)."""
-    readme = (ROOT / phase / "README.md").read_text().lower()
-    for topic in ("problem", "analogy", "run", "diff"):
-        assert topic in readme, f"{phase}/README.md never mentions the {topic}"
+# Phases whose diffs are checked, in reading order; a new phase joins by being appended here.
+DIFFED_PHASES = (
+    "phase0_basics",
+    "phase1_naive",
+    "phase2_sampling",
+    "phase3_kvcache",
+    "phase4_scheduler",
+    "phase5_paged",
+    "phase6_qwen3",
+)
+NOT_PART_OF_THE_DIFF = {"README.md"}  # each README tells its own lesson
+WHAT_TO_DIFF_ITEM = re.compile(r"^\d+\.\s+`([^`]+)`(.*)$")
+
+
+def phase_files(phase: str) -> dict[str, bytes]:
+    root = ROOT / phase
+    return {
+        str(path.relative_to(root)): path.read_bytes()
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+        and "__pycache__" not in path.parts
+        and path.name not in NOT_PART_OF_THE_DIFF
+    }
+
+
+def declared_diff(phase: str) -> tuple[list[str], set[str]]:
+    """The README's `## What to diff` list: (files in reading order, the ones marked deleted)."""
+    section, inside = [], False
+    for line in (ROOT / phase / "README.md").read_text().splitlines():
+        if line.startswith("## "):
+            inside = line.strip() == "## What to diff"
+        elif inside:
+            section.append(line)
+    assert section, f"{phase}/README.md has no '## What to diff' section"
+    files, deleted = [], set()
+    for line in section:
+        item = WHAT_TO_DIFF_ITEM.match(line)
+        if item:
+            files.append(item.group(1))
+            if "(deleted)" in item.group(2):
+                deleted.add(item.group(1))
+    return files, deleted
+
+
+def actual_diff(before: str, after: str) -> tuple[set[str], set[str]]:
+    """(files added or changed, files deleted) from phase `before` to phase `after`."""
+    old, new = phase_files(before), phase_files(after)
+    changed = {name for name, data in new.items() if old.get(name) != data}
+    return changed, set(old) - set(new)
+
+
+def test_diffed_phases_are_the_phases_in_order():
+    assert list(DIFFED_PHASES) == PHASES[: len(DIFFED_PHASES)]
+
+
+@pytest.mark.parametrize("before, after", list(zip(DIFFED_PHASES, DIFFED_PHASES[1:], strict=False)))
+def test_a_phase_changes_only_the_files_its_readme_declares(before, after):
+    files, deleted = declared_diff(after)
+    assert len(files) == len(set(files)), f"{after}/README.md lists a file twice"
+    changed, gone = actual_diff(before, after)
+    declared_changed = set(files) - deleted
+    undeclared = sorted(changed - declared_changed)
+    assert not undeclared, (
+        f"{before} -> {after} changes {undeclared}, which {after}/README.md's 'What to diff' "
+        "list does not name: name them there, or make them byte-identical to the previous phase's"
+    )
+    unchanged = sorted(declared_changed - changed)
+    assert not unchanged, f"{after}/README.md lists {unchanged}, identical to {before}'s"
+    assert gone == deleted, f"{before} -> {after} deletes {sorted(gone)}; README says {deleted}"
+
+
+def test_the_diff_rule_catches_an_undeclared_change(tmp_path, monkeypatch):
+    """The check above is not vacuous: a copied file that drifts, undeclared, is caught."""
+    for phase in ("phase_a", "phase_b"):
+        (tmp_path / phase).mkdir()
+        (tmp_path / phase / "same.py").write_text("x = 1\n")
+        (tmp_path / phase / "lesson.py").write_text(f"lesson = {phase!r}\n")
+    (tmp_path / "phase_a" / "gone.py").write_text("old = 1\n")
+    readme = "## What to diff\n\n1. `lesson.py` — the lesson.\n2. `gone.py` (deleted) — replaced.\n"
+    (tmp_path / "phase_b" / "README.md").write_text(readme)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    test_a_phase_changes_only_the_files_its_readme_declares("phase_a", "phase_b")
+    (tmp_path / "phase_b" / "same.py").write_text("x = 2  # drift\n")
+    with pytest.raises(AssertionError, match="same.py"):
+        test_a_phase_changes_only_the_files_its_readme_declares("phase_a", "phase_b")
 
 
 def test_importing_a_phase_only_defines_things():

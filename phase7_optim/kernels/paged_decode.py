@@ -147,6 +147,7 @@ def _paged_decode_split_kernel(
     tl.store(lse_ptrs, lse, mask=offs_h < QUERY_GROUP_SIZE)
 
 
+# exercise 7.2: merging split-K partial results
 @triton.jit
 def _paged_decode_reduce_kernel(
     part_out_ptr,

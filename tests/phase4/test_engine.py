@@ -91,7 +91,7 @@ def run(engine: LLMEngine, prompts, params) -> list:
                 done[out.request_id] = out
         engine.scheduler.check_invariants()
     assert not engine.has_unfinished_requests(), "engine did not finish"
-    assert not engine.scheduler.allocator.regions and not engine.requests
+    assert not engine.block_manager.regions and not engine.requests
     return [done[i] for i in ids]
 
 
@@ -115,7 +115,7 @@ ENGINE_CONFIGS = {
 @pytest.mark.parametrize("name", sorted(ENGINE_CONFIGS))
 def test_greedy_matches_phase3(name, model, oracle):
     trace = StepTrace()
-    engine = LLMEngine(model, ENGINE_CONFIGS[name], trace=trace)
+    engine = LLMEngine(model, config=ENGINE_CONFIGS[name], trace=trace)
     outs = run(engine, PROMPTS, [greedy(m) for m in MAX_TOKENS])
     assert [o.outputs[0].token_ids for o in outs] == oracle
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
@@ -132,7 +132,7 @@ def test_mixed_sampling_params_and_seeded_sampling_ignores_batch_mates(model, ph
         for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True))
     ]
     for config in (EngineConfig(), EngineConfig(num_kv_slots=LONGEST, max_num_batched_tokens=3)):
-        outs = run(LLMEngine(model, config), PROMPTS, params)
+        outs = run(LLMEngine(model, config=config), PROMPTS, params)
         assert [o.outputs[0].token_ids for o in outs] == expected
     alone = run(LLMEngine(model), PROMPTS[1:2], params[1:2])
     assert alone[0].outputs[0].token_ids == expected[1]
@@ -156,9 +156,9 @@ def test_finish_reasons(model, oracle):
 
 
 def test_abort_running_request_frees_its_region(model, oracle):
-    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=8))
+    engine = LLMEngine(model, config=EngineConfig(max_num_batched_tokens=8))
     ids = [engine.add_request(p, greedy(m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
-    victim, _ = engine.requests[ids[2]]
+    victim = engine.requests[ids[2]].seq
     while victim.num_output_tokens < 2:
         engine.step()
         engine.scheduler.check_invariants()
@@ -167,7 +167,7 @@ def test_abort_running_request_frees_its_region(model, oracle):
     engine.abort_request(ids[2])  # twice, and unknown ids: ignored
     engine.abort_request("no such request")
     engine.scheduler.check_invariants()
-    assert victim.seq_id not in engine.scheduler.allocator.regions
+    assert victim.seq_id not in engine.block_manager.regions
     assert victim.finish_reason.value == "abort" and ids[2] not in engine.requests
     done = {}
     while engine.has_unfinished_requests():
@@ -176,11 +176,11 @@ def test_abort_running_request_frees_its_region(model, oracle):
     assert sorted(done) == sorted(ids[:2] + ids[3:])
     for i in (0, 1, 3, 4):
         assert done[ids[i]].outputs[0].token_ids == oracle[i]
-    assert not engine.scheduler.allocator.regions
+    assert not engine.block_manager.regions
 
 
 def test_abort_waiting_request(model, oracle):
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=1))
+    engine = LLMEngine(model, config=EngineConfig(max_num_seqs=1))
     ids = [engine.add_request(PROMPTS[i], greedy(MAX_TOKENS[i])) for i in range(2)]
     engine.step()
     engine.abort_request(ids[1])  # never ran
@@ -192,7 +192,7 @@ def test_abort_waiting_request(model, oracle):
 
 def engine_state(engine: LLMEngine):
     s = engine.scheduler
-    regions = {i: vars(r).copy() for i, r in s.allocator.regions.items()}
+    regions = {i: vars(r).copy() for i, r in engine.block_manager.regions.items()}
     return list(engine.requests), list(s.waiting), list(s.running), regions
 
 
@@ -209,7 +209,7 @@ BAD_REQUESTS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
 def test_bad_request_raises_and_changes_nothing(case, model):
-    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=4))
+    engine = LLMEngine(model, config=EngineConfig(max_num_batched_tokens=4))
     engine.add_request([1, 2, 3, 4, 5, 6], greedy(8), request_id="first")
     engine.step()  # "first" is running mid-prefill, holding a region
     before = engine_state(engine)
@@ -228,7 +228,7 @@ def test_bad_request_raises_and_changes_nothing(case, model):
     ],
 )
 def test_request_that_can_never_run_is_rejected(config, max_tokens, model):
-    engine = LLMEngine(model, config)
+    engine = LLMEngine(model, config=config)
     engine.add_request([1] * 6, greedy(max_tokens - 1))  # one token less fits
     with pytest.raises(ValueError):
         engine.add_request([1] * 6, greedy(max_tokens))

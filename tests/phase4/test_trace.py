@@ -35,8 +35,9 @@ def chunked(model):
 
 @pytest.fixture(scope="module")
 def preempting(model):
-    """12 KV slots: the first request reserves 10, the next two get one slot each and collide."""
-    return traced(model, EngineConfig(num_kv_slots=12), [([1, 2], 8), ([3], 6), ([4], 6)])
+    """23 KV slots: the first request reserves 10; the other two grow until the newest must go."""
+    requests = [([1, 2], 8), ([3, 4, 5, 6], 10), ([7], 6)]
+    return traced(model, EngineConfig(num_kv_slots=23), requests)
 
 
 def test_chunked_prefill_shares_steps_with_decodes(chunked):
@@ -47,14 +48,15 @@ def test_chunked_prefill_shares_steps_with_decodes(chunked):
     assert all(r.kv_used <= r.kv_reserved for r in chunked.steps)
 
 
-def test_preemption_is_recorded_even_when_the_step_runs_nothing(preempting):
+def test_preemption_and_readmission_are_recorded(preempting):
     preempted = [r for r in preempting.steps if r.preempted]
-    # 1 must grow into 2's slot: 2 goes (LIFO); then 1 itself, walled in by the pool's end.
-    assert [r.preempted for r in preempted] == [[2], [1], [2]]
-    # The last time, request 2 is alone but its region sits at the end of the pool: it
-    # preempts itself, nothing runs that step, and it restarts at slot 0 with room to grow.
-    lone = preempted[-1]
-    assert not lone.prefill and not lone.decode and lone.kv_used == 0
+    assert [(r.step, r.preempted) for r in preempted] == [(5, [2])]  # the newest, once
+    readmitted = [r for r in preempting.steps if 2 in r.admitted]
+    assert 0 in preempting.steps[7].finished
+    assert [r.step for r in readmitted] == [0, 8]  # back as soon as the first request finished
+    assert readmitted[1].prefill[2] == 1 + 5  # its prompt and the 5 tokens it had, recomputed
+    assert all(r.prefill or r.decode for r in preempting.steps), "a step ran nothing"
+    assert all(r.kv_used <= r.kv_reserved <= 23 for r in preempting.steps)
     assert sorted(sum((r.finished for r in preempting.steps), [])) == [0, 1, 2]
 
 
@@ -71,4 +73,4 @@ def test_chrome_json_and_png(chunked, preempting, tmp_path):
         trace.plot(tmp_path / f"{name}.png", title=name)
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     instants = [e["name"] for e in events if e["ph"] == "i"]
-    assert instants.count("preempted") == 3 and instants.count("finished") == 3
+    assert instants.count("preempted") == 1 and instants.count("finished") == 3

@@ -36,16 +36,16 @@ class Driver:
     def admit(self, seq: Sequence, num_new: int | None = None) -> list[int] | None:
         """Scheduler._admit_waiting + one engine step; None when it does not fit (seq waits)."""
         cached = self.bm.match_prefix(seq)
-        assert len(cached) * self.bm.block_size < seq.num_tokens, "matched the whole sequence"
-        seq.num_computed_tokens = len(cached) * self.bm.block_size
-        self.check_own_prefix(seq)  # the cached blocks really hold this sequence's prefix
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        num_computed = len(cached) * self.bm.block_size
+        assert num_computed < seq.num_tokens, "matched the whole sequence"
+        self.check_prefix(seq, cached, num_computed)  # the matched blocks hold seq's own prefix
+        remaining = seq.num_tokens - num_computed
         num_new = remaining if num_new is None else min(num_new, remaining)
-        if not self.bm.can_allocate(cached, seq.num_computed_tokens + num_new):
-            seq.num_computed_tokens = 0
+        if not self.bm.can_allocate(cached, num_computed + num_new, watermark=0):
             self.bm.check_invariants()
             return None
-        self.bm.allocate(seq, cached, seq.num_computed_tokens + num_new)
+        seq.num_computed_tokens = num_computed
+        self.bm.allocate(seq, cached, num_computed + num_new)
         self.compute(seq, num_new)
         return cached
 
@@ -79,11 +79,13 @@ class Driver:
         self.bm.check_invariants()
 
     def check_own_prefix(self, seq: Sequence) -> None:
-        table = self.bm.block_tables.get(seq.seq_id)
-        for p in range(seq.num_computed_tokens):
-            slot = self.bm.slot(seq.seq_id, p) if table is not None else None
-            if table is None:  # being admitted: read through the matched blocks
-                break
+        self.check_prefix(seq, self.bm.block_tables[seq.seq_id], seq.num_computed_tokens)
+
+    def check_prefix(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
+        """The first `num_tokens` slots reached through `table` hold `seq`'s own prefixes."""
+        size = self.bm.block_size
+        for p in range(num_tokens):
+            slot = table[p // size] * size + p % size
             assert self.kv.get(slot) == tuple(seq.token_ids[: p + 1]), (
                 f"seq {seq.seq_id} position {p}: its slot holds another prefix's key/value"
             )
@@ -243,7 +245,7 @@ def test_hash_collision_of_a_parent_never_reuses_its_child(monkeypatch):
     d.admit(d.new_seq([1, 1, 0]))  # [1, 1] registered under hash 0
     d.admit(d.new_seq([2, 2, 3, 3, 0]))  # [2, 2] collides; its child [3, 3] follows it
     victim = d.new_seq([1, 1, 3, 3, 0])
-    d.admit(victim)  # Driver.check_own_prefix: no slot may hold [2, 2, 3, 3]'s keys/values
+    d.admit(victim)  # Driver.check_prefix: no slot may hold [2, 2, 3, 3]'s keys/values
 
 
 def test_without_prefix_caching_nothing_is_shared():
@@ -262,8 +264,9 @@ def test_can_allocate_counts_cached_free_blocks_it_would_take():
     b = d.new_seq([1, 2, 3, 4, 6, 7, 8])  # hits 2 blocks, needs 2 more: only 1 left
     cached = d.bm.match_prefix(b)
     assert len(cached) == 2
-    assert not d.bm.can_allocate(cached, b.num_tokens)
-    assert d.bm.can_allocate(cached, 6)
+    assert not d.bm.can_allocate(cached, b.num_tokens, watermark=0)
+    assert d.bm.can_allocate(cached, 6, watermark=0)
+    assert not d.bm.can_allocate(cached, 6, watermark=1)  # 1 block needed + 1 kept free > 1 left
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def build(mod, state):
 
 def run(mod, state, prompts, max_tokens, trace=None, **config):
     """Greedy outputs in prompt order, and the engine (checking invariants after every step)."""
-    engine = mod.LLMEngine(build(mod, state), mod.EngineConfig(**config), trace=trace)
+    engine = mod.LLMEngine(build(mod, state), config=mod.EngineConfig(**config), trace=trace)
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(prompts)
     ids = [
@@ -134,7 +134,7 @@ def test_prefix_cache_hits_skip_the_shared_prompt(state):
 def test_fully_cached_prompt_computes_only_its_last_token(state):
     prompt = list(range(100, 132))  # exactly 2 blocks of 16
     want, _ = run(p4, state, [prompt], 4)
-    engine = p5.LLMEngine(build(p5, state), p5.EngineConfig(), trace=p5.StepTrace())
+    engine = p5.LLMEngine(build(p5, state), config=p5.EngineConfig(), trace=p5.StepTrace())
     greedy = p5.SamplingParams(temperature=0.0, max_tokens=4)
     outputs = []
     for _ in range(2):  # the second time every full block of the prompt is cached
@@ -157,7 +157,7 @@ def test_duplicate_prompts_in_one_step_then_a_prompt_starting_with_their_continu
     first, _ = run(p4, state, [[1, 2, 3, 4, 5]], 6)
     prompts = [[1, 2, 3, 4, 5]] * 2 + [[5, *first[0][:3], 9]]
     want, _ = run(p4, state, prompts, 6)
-    engine = p5.LLMEngine(build(p5, state), p5.EngineConfig(block_size=2))
+    engine = p5.LLMEngine(build(p5, state), config=p5.EngineConfig(block_size=2))
     greedy = p5.SamplingParams(temperature=0.0, max_tokens=6)
     for p in prompts[:2]:
         engine.add_request(p, greedy)
@@ -187,12 +187,12 @@ def test_preempting_a_sequence_that_shares_cached_blocks(state):
 
 
 def test_abort_frees_blocks(state):
-    engine = p5.LLMEngine(build(p5, state), p5.EngineConfig(block_size=4, num_kv_blocks=64))
+    engine = p5.LLMEngine(build(p5, state), config=p5.EngineConfig(block_size=4, num_kv_blocks=64))
     greedy = p5.SamplingParams(temperature=0.0, max_tokens=50)
     ids = [engine.add_request(list(range(10 + i, 30 + i)), greedy) for i in range(3)]
     for _ in range(3):
         engine.step()
-    held = len(engine.block_manager.block_tables[engine.requests[ids[1]][0].seq_id])
+    held = len(engine.block_manager.block_tables[engine.requests[ids[1]].seq.seq_id])
     free_before = engine.block_manager.num_free_blocks
     engine.abort_request(ids[1])
     engine.scheduler.check_invariants()

@@ -1,0 +1,512 @@
+"""Exercises: a learner rewrites the code that carries a phase's lesson; the phase's tests judge it.
+
+The code is marked, not copied. One comment line directly above a function (above its decorators)
+names the exercise, `# exercise 3.1: the KV cache append`. A function copied forward into later
+phases carries its marker in every copy, so copied files stay byte-identical; only the phase named
+by the marker blanks it. `EXERCISES` below holds the words around each marker (the hint, the tests
+that check it), never code: the workspace is derived from the phase every time it is made.
+
+    python -m tests.exercises list [PHASE]       the exercises, with their hints and tests
+    python -m tests.exercises new PHASE NAME     workspace/NAME/<phase package>/, exercises blank
+    python -m tests.exercises check [ID ...]     each exercise's tests fail blank, pass whole
+
+In a workspace each marked function of that phase keeps its signature and docstring, and its body
+becomes `raise NotImplementedError(<task, hint, test command>)`. `pytest tests/phaseN --impl NAME`
+(tests/conftest.py) then imports the workspace's package in place of the phase's own: the workspace
+directory goes first on `sys.path`, so every test file and fixture runs unchanged on the learner's
+code, while the oracles (earlier phases, torch, transformers, `tokenizers`) stay the real ones.
+
+`check` proves both directions for every exercise: with only that function blank its tests fail
+(the marked code is really tested), and with the phase's code pasted back (a workspace with nothing
+blank, under --impl) they pass. It runs pytest in-process, once per workspace, so torch is imported
+once; tests/test_exercises.py runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import io
+import json
+import re
+import shutil
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKSPACE_DIR = ROOT / "workspace"  # git-ignored
+MARKER = re.compile(r"^[ \t]*# exercise (?P<id>\d+\.\d+): (?P<title>.+?)[ \t]*$")
+MESSAGE_WIDTH = 76  # characters per string literal in the generated `raise`
+
+
+@dataclass(frozen=True)
+class Exercise:
+    hint: str
+    tests: tuple[str, ...]  # pytest node ids from the repository root; each must fail when blank
+
+
+EXERCISES: dict[str, Exercise] = {
+    "0.1": Exercise(
+        "Start from one id per byte, then repeatedly merge the adjacent pair of lowest merge rank "
+        "(self._merges: pair -> (rank, merged id)) until no pair can merge. _merge_pair helps.",
+        (
+            "tests/phase0/test_tokenizer.py::test_trained_saved_file_matches_hf",
+            "tests/phase0/test_tokenizer.py::test_train_special_tokens_are_atomic",
+        ),
+    ),
+    "0.2": Exercise(
+        "Count adjacent pairs over all words (weighted by word frequency); repeatedly merge the "
+        "most frequent pair (ties: smaller ids first), update the counts of the words it touched.",
+        (
+            "tests/phase0/test_tokenizer.py::test_train_first_merge_is_most_frequent_pair",
+            "tests/phase0/test_tokenizer.py::test_train_tie_break_is_deterministic",
+        ),
+    ),
+    "0.3": Exercise(
+        "Rotate each (x_i, x_{i+d/2}) pair by the angle of its position: look up cos and sin at "
+        "`positions`, compute in float32, return in x's dtype.",
+        (
+            "tests/phase0/test_model.py::test_rope_scores_depend_only_on_relative_position",
+            "tests/phase0/test_model.py::test_matches_transformers_llama",
+        ),
+    ),
+    "0.4": Exercise(
+        "Repeat each KV head for its group of query heads, scale q @ k^T by 1/sqrt(D), hide the "
+        "future with -inf, softmax in float32, multiply by v.",
+        ("tests/phase0/test_model.py::test_causal_attention_matches_sdpa",),
+    ),
+    "1.1": Exercise(
+        "Validate the arguments, then loop: run the model over all ids so far, yield the argmax "
+        "of the last position, stop after EOS, append the token and go again.",
+        (
+            "tests/phase1/test_generate.py::test_each_token_is_the_argmax_of_the_full_sequence",
+            "tests/phase1/test_generate.py::test_stops_at_eos",
+            "tests/phase1/test_generate.py::test_bad_arguments",
+        ),
+    ),
+    "1.2": Exercise(
+        "Collect the stream that iter_tokens yields into a list.",
+        ("tests/phase1/test_generate.py::test_each_token_is_the_argmax_of_the_full_sequence",),
+    ),
+    "2.1": Exercise(
+        "Sort the probabilities in descending order; a token is dropped when the mass of the "
+        "strictly more likely tokens already reaches p. Scatter the mask back to vocab order.",
+        (
+            "tests/phase2/test_sampling.py::test_top_p_mask",
+            "tests/phase2/test_sampling.py::test_filters_compose_in_order",
+        ),
+    ),
+    "2.2": Exercise(
+        "Greedy params take the argmax; otherwise softmax the filtered logits and draw one token "
+        "with torch.multinomial and this request's own generator.",
+        (
+            "tests/phase2/test_sampling.py::test_sampled_distribution",
+            "tests/phase2/test_sampling.py::test_seed_makes_requests_reproducible",
+            "tests/phase2/test_sampling.py::test_greedy_is_argmax",
+        ),
+    ),
+    "3.1": Exercise(
+        "Write k_new and v_new into slots [length, length + T) of this layer (ValueError if they "
+        "do not fit in max_len) and return every key and value stored so far, new ones included.",
+        (
+            "tests/phase3/test_kvcache.py::test_cached_decode_matches_full_forward",
+            "tests/phase3/test_kvcache.py::test_cache_overflow_raises",
+        ),
+    ),
+    "3.2": Exercise(
+        "Query i sits at position S - T + i. Hide keys after it, and padding keys, except that a "
+        "padding query still sees itself (an all -inf row would softmax to NaN).",
+        (
+            "tests/phase3/test_kvcache.py::test_padding_query_sees_only_itself",
+            "tests/phase3/test_kvcache.py::test_batch_rows_equal_single_requests",
+        ),
+    ),
+    "4.1": Exercise(
+        "The tokens the sequence still lacks (num_tokens - num_computed_tokens): with chunked "
+        "prefill as many as the budget allows, without it all of them or none.",
+        (
+            "tests/phase4/test_scheduler.py::test_chunked_prefill_shares_steps_with_decodes",
+            "tests/phase4/test_scheduler.py::test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole",
+        ),
+    ),
+    "4.2": Exercise(
+        "Running sequences first, in admission order, each within the budget. When one's next "
+        "tokens do not fit in memory, preempt the newest running sequence (LIFO) until they do; "
+        "if it was the sequence itself, stop. Return the budget left.",
+        (
+            "tests/phase4/test_scheduler.py::test_preemption_frees_an_older_sequences_room_newest_first",
+            "tests/phase4/test_scheduler.py::test_continuous_batching_admits_as_soon_as_one_finishes",
+        ),
+    ),
+    "5.1": Exercise(
+        "Record the slots used, then grow the block table until it holds num_computed_tokens + "
+        "num_new tokens, taking the least recently freed block and evicting its cached hash.",
+        (
+            "tests/phase5/test_block_manager.py::test_prompt_length_a_multiple_of_block_size",
+            "tests/phase5/test_block_manager.py::test_lru_evicts_the_least_recently_freed_cached_block_first",
+        ),
+    ),
+    "5.2": Exercise(
+        "Walk the prompt's full blocks (never the one holding the last token), chaining each "
+        "block's hash to its parent's; stop at the first miss, or at a hit whose parent or "
+        "tokens differ (a collision).",
+        (
+            "tests/phase5/test_block_manager.py::test_prompt_one_token_longer_than_a_block_matches_that_block",
+            "tests/phase5/test_block_manager.py::test_hash_collision_never_reuses_another_prefix",
+        ),
+    ),
+    "5.3": Exercise(
+        "Position p lives in the table's block p // block_size, at offset p % block_size.",
+        ("tests/phase5/test_engine.py::test_prefix_cache_hits_skip_the_shared_prompt",),
+    ),
+    "6.1": Exercise(
+        "Check every key and shape first (_check_keys), then copy each checkpoint tensor into the "
+        "parameter of the same name, reading each key from the file _check_keys assigned it.",
+        (
+            "tests/phase6/test_model.py::test_logits_match_transformers",
+            "tests/phase6/test_loader.py::test_missing_key",
+        ),
+    ),
+    "6.2": Exercise(
+        "Decode the window from prefix_offset twice, without and with the new ids; emit the "
+        "difference unless it is empty or ends in U+FFFD, then move both offsets forward.",
+        (
+            "tests/phase6/test_tokenizer.py::test_incremental_detokenizer_deltas_add_up",
+            "tests/phase6/test_tokenizer.py::test_incremental_detokenizer_holds_back_a_split_character",
+        ),
+    ),
+    "7.1": Exercise(
+        "For each key tile: gather K and V through the block table, score in log2 units, keep a "
+        "running max m_i and sum l_i, and rescale acc by exp2(m_old - m_new) before adding P @ V.",
+        ("tests/phase7/test_kernels.py::test_flash_prefill_uneven_tiles",),
+    ),
+    "7.2": Exercise(
+        "Load each split's log-sum-exp (log2 units) and partial output; weight each split by "
+        "exp2(lse - max lse) and store the weighted average of the partial outputs in out.",
+        ("tests/phase7/test_kernels.py::test_paged_decode_split_k_matches_reference",),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Marker:
+    exercise_id: str
+    title: str
+    path: Path
+    function: str  # qualified: Class.method
+    body_start: int  # first line (1-based) the blank replaces
+    body_end: int  # last line it replaces
+    indent: str  # the body's indentation
+
+
+def phase_package(phase: int) -> Path:
+    packages = [p for p in ROOT.glob(f"phase{phase}_*") if (p / "__init__.py").is_file()]
+    if len(packages) != 1:
+        raise ValueError(f"phase {phase}: expected one package phase{phase}_*, found {packages}")
+    return packages[0]
+
+
+def phase_of(exercise_id: str) -> int:
+    return int(exercise_id.split(".")[0])
+
+
+def functions(source: str) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Qualified name (`Class.method`) -> node, for module-level functions and class methods."""
+    found = {}
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                found[prefix + child.name] = child
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.")
+
+    walk(ast.parse(source), "")
+    return found
+
+
+def first_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Where the function's text starts: its first decorator, or the `def`."""
+    return min([node.lineno] + [d.lineno for d in node.decorator_list])
+
+
+def find_markers(path: Path) -> list[Marker]:
+    """The marked functions of one file; a marker not directly above a function is an error."""
+    source = path.read_text(encoding="utf-8")
+    lines = source.splitlines()
+    by_line = {first_line(node): (name, node) for name, node in functions(source).items()}
+    markers = []
+    for number, line in enumerate(lines, start=1):
+        match = MARKER.match(line)
+        if match is None:
+            continue
+        if number + 1 not in by_line:
+            raise ValueError(f"{path}:{number}: exercise marker is not directly above a def")
+        name, node = by_line[number + 1]
+        body = lines[node.body[-1].lineno - 1]
+        indent = body[: len(body) - len(body.lstrip())]
+        start = _body_start(node, lines)
+        markers.append(
+            Marker(match["id"], match["title"], path, name, start, node.end_lineno, indent)
+        )
+    return markers
+
+
+def _body_start(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """The line after the docstring, or, without one, after the signature (comments included)."""
+    first = node.body[0]
+    is_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    if is_docstring and isinstance(first.value.value, str):
+        return first.end_lineno + 1
+    start = first.lineno
+    while start - 1 > node.lineno and lines[start - 2].strip().startswith("#"):
+        start -= 1  # a comment leading the body belongs to the body
+    return start
+
+
+def phase_markers(phase: int) -> list[Marker]:
+    """The markers of `phase`'s own exercises in its package, in file and line order."""
+    markers = []
+    for path in sorted(phase_package(phase).rglob("*.py")):
+        markers += [m for m in find_markers(path) if phase_of(m.exercise_id) == phase]
+    return markers
+
+
+def all_markers() -> dict[str, Marker]:
+    """Exercise id -> its marker; each phase's exercises appear once in that phase's package."""
+    found: dict[str, Marker] = {}
+    for package in sorted(ROOT.glob("phase[0-9]_*")):
+        if not (package / "__init__.py").is_file():
+            continue
+        for marker in phase_markers(int(package.name[len("phase")])):
+            if marker.exercise_id in found:
+                raise ValueError(f"exercise {marker.exercise_id} is marked twice in {package}")
+            found[marker.exercise_id] = marker
+    return found
+
+
+def blank_message(marker: Marker, exercise: Exercise, workspace_name: str) -> list[str]:
+    """The `raise NotImplementedError(...)` lines that replace the marked body."""
+    tests = " and ".join(exercise.tests)
+    directory = f"tests/phase{phase_of(marker.exercise_id)}"
+    text = (
+        f"exercise {marker.exercise_id}, {marker.title}: {exercise.hint} "
+        f"Checked by {tests}; run: pytest {directory} --impl {workspace_name}"
+    )
+    chunks = textwrap.wrap(text, MESSAGE_WIDTH, break_long_words=False, break_on_hyphens=False)
+    chunks = [chunk + " " for chunk in chunks[:-1]] + chunks[-1:]
+    inner = marker.indent + " " * 4
+    return [
+        f"{marker.indent}raise NotImplementedError(",
+        *(inner + json.dumps(chunk, ensure_ascii=False) for chunk in chunks),
+        f"{marker.indent})",
+    ]
+
+
+def create_workspace(
+    phase: int, directory: Path, only: set[str] | None = None, name: str | None = None
+) -> Path:
+    """Copies phase `phase`'s package into `directory` and blanks its exercises (or `only` these).
+    Returns the package's copy. `name` is what --impl is given in the messages."""
+    package = phase_package(phase)
+    markers = [m for m in phase_markers(phase) if only is None or m.exercise_id in only]
+    if only and {m.exercise_id for m in markers} != only:
+        raise ValueError(
+            f"no such exercise in phase {phase}: {only - {m.exercise_id for m in markers}}"
+        )
+    target = directory / package.name
+    shutil.copytree(package, target, ignore=shutil.ignore_patterns("__pycache__"))
+    by_file: dict[Path, list[Marker]] = {}
+    for marker in markers:
+        by_file.setdefault(marker.path, []).append(marker)
+    for path, file_markers in by_file.items():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for marker in sorted(file_markers, key=lambda m: m.body_start, reverse=True):
+            message = blank_message(marker, EXERCISES[marker.exercise_id], name or str(directory))
+            lines[marker.body_start - 1 : marker.body_end] = message
+        copy = target / path.relative_to(package)
+        copy.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return target
+
+
+# --- --impl: the workspace's package in place of the phase's own (used by tests/conftest.py) ---
+
+
+@dataclass(frozen=True)
+class Workspace:
+    directory: Path  # what goes on sys.path
+    package: str  # e.g. phase3_kvcache
+    phase: int
+
+
+def resolve_workspace(name_or_path: str) -> Workspace:
+    """`--impl` takes a workspace name (workspace/<name>) or a path to a workspace directory."""
+    directory = Path(name_or_path)
+    if not directory.is_dir():
+        directory = WORKSPACE_DIR / name_or_path
+    if not directory.is_dir():
+        raise ValueError(
+            f"--impl {name_or_path}: no workspace there; make one with "
+            f"`python -m tests.exercises new PHASE {name_or_path}`"
+        )
+    packages = [p.name for p in directory.glob("phase[0-9]_*") if (p / "__init__.py").is_file()]
+    if len(packages) != 1:
+        raise ValueError(f"--impl {name_or_path}: want one phase package in {directory}")
+    return Workspace(directory.resolve(), packages[0], int(packages[0][len("phase")]))
+
+
+def activate_workspace(workspace: Workspace) -> None:
+    """Put the workspace first on sys.path and check that its package is the one imported."""
+    if workspace.package in sys.modules:
+        raise ValueError(f"--impl: {workspace.package} was imported before the workspace could be")
+    sys.path.insert(0, str(workspace.directory))
+    module = __import__(workspace.package)
+    origin = Path(module.__file__).resolve()
+    if workspace.directory not in origin.parents:
+        raise ValueError(f"--impl: {workspace.package} resolved to {origin}, not the workspace")
+
+
+def deactivate_workspace(workspace: Workspace) -> None:
+    if str(workspace.directory) in sys.path:
+        sys.path.remove(str(workspace.directory))
+
+
+def is_other_phase_test(path: Path, workspace: Workspace) -> bool:
+    """With --impl only that phase's tests run: the others would use the learner's package as
+    an oracle (phase 4's tests compare against phase 3) or test a package it does not replace."""
+    tests_dir, own = ROOT / "tests", ROOT / "tests" / f"phase{workspace.phase}"
+    path = path.resolve()
+    if path == tests_dir or tests_dir not in path.parents or path.name == "conftest.py":
+        return False
+    return path != own and own not in path.parents
+
+
+# --- check: every exercise's tests fail on its blank and pass on the phase ---
+
+
+class _Outcomes:
+    """A pytest plugin recording each test's outcome (a failure in setup counts as a failure)."""
+
+    def __init__(self):
+        self.by_nodeid: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            self.by_nodeid.setdefault(report.nodeid, report.outcome)
+
+
+def run_tests(node_ids: list[str], impl: Path | None) -> tuple[dict[str, str], str]:
+    """Runs the tests in this process; returns (nodeid -> outcome, pytest's output)."""
+    import pytest
+
+    for name in [n for n in sys.modules if n.startswith(("phase", "tests.phase"))]:
+        del sys.modules[name]  # the next run imports the phases (and their test modules) afresh
+    args = [*node_ids, "-p", "no:cacheprovider", "-q", "--tb=line"]
+    args += [f"--impl={impl}"] if impl else []  # one token: pytest never takes it for a test path
+    outcomes, output = _Outcomes(), io.StringIO()
+    with contextlib.redirect_stdout(output):
+        pytest.main(args, plugins=[outcomes])
+    return outcomes.by_nodeid, output.getvalue()
+
+
+def _items_of(test: str, outcomes: dict[str, str]) -> list[str]:
+    """The outcomes of a named test, one per parametrization."""
+    return [o for nodeid, o in outcomes.items() if nodeid == test or nodeid.startswith(test + "[")]
+
+
+def check(ids: list[str], seconds: dict[int, float] | None = None) -> list[str]:
+    """Problems found; empty when, for every exercise in `ids`, its tests fail on a workspace
+    where only it is blank and pass on a workspace where nothing is (the phase's code pasted back,
+    so the --impl path itself is proven too). `seconds` collects each phase's wall time."""
+    markers = all_markers()
+    problems = [f"exercise {i}: in EXERCISES, marked nowhere" for i in set(ids) - set(markers)]
+    problems += [f"exercise {i}: marked, not in EXERCISES" for i in set(markers) - set(EXERCISES)]
+    ids = [i for i in ids if i in markers and i in EXERCISES]
+    with tempfile.TemporaryDirectory(prefix="exercises-") as tmp:
+        for phase in sorted({phase_of(i) for i in ids}):
+            started = time.perf_counter()
+            phase_ids = [i for i in ids if phase_of(i) == phase]
+            whole = create_workspace(phase, Path(tmp) / f"phase{phase}", only=set()).parent
+            tests = [t for i in phase_ids for t in EXERCISES[i].tests]
+            problems += _expect(phase_ids, run_tests(sorted(set(tests)), whole), "passed")
+            for i in phase_ids:
+                blank = create_workspace(phase, Path(tmp) / i, only={i}).parent
+                problems += _expect([i], run_tests(list(EXERCISES[i].tests), blank), "failed")
+            if seconds is not None:
+                seconds[phase] = time.perf_counter() - started
+    return problems
+
+
+def _expect(ids: list[str], run: tuple[dict[str, str], str], outcome: str) -> list[str]:
+    """Every named test of these exercises ran, and every run of it ended with `outcome`."""
+    outcomes, output = run
+    problems = []
+    for i in ids:
+        for test in EXERCISES[i].tests:
+            results = _items_of(test, outcomes)
+            if not results or set(results) != {outcome}:
+                problems.append(f"exercise {i}: {test} is not {outcome}: {results}")
+    return problems + [output] if problems else []
+
+
+def describe(exercise_id: str, marker: Marker) -> str:
+    exercise = EXERCISES[exercise_id]
+    tests = "\n".join(f"      {t}" for t in exercise.tests)
+    where = f"{marker.path.relative_to(ROOT)}: {marker.function}"
+    return f"{exercise_id}  {marker.title}  ({where})\n    {exercise.hint}\n{tests}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.exercises", description=__doc__.split("\n")[0]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="show the exercises")
+    listing.add_argument("phase", type=int, nargs="?")
+    new = commands.add_parser("new", help="make a workspace for one phase")
+    new.add_argument("phase", type=int)
+    new.add_argument("name", help="the workspace: workspace/NAME, then pytest --impl NAME")
+    new.add_argument("--only", nargs="+", metavar="ID", help="blank only these exercises")
+    checking = commands.add_parser("check", help="tests fail on each blank, pass on the phase")
+    checking.add_argument("ids", nargs="*", metavar="ID", help="default: every exercise")
+    args = parser.parse_args(argv)
+
+    markers = all_markers()
+    if args.command == "list":
+        for i, marker in sorted(markers.items()):
+            if args.phase is None or phase_of(i) == args.phase:
+                print(describe(i, marker))
+        return 0
+    if args.command == "check":
+        seconds: dict[int, float] = {}
+        problems = check(args.ids or sorted(EXERCISES), seconds)
+        times = ", ".join(f"phase {phase} {s:.1f} s" for phase, s in seconds.items())
+        print("\n".join(problems) or f"ok: {len(args.ids or EXERCISES)} exercises ({times})")
+        return 1 if problems else 0
+    directory = WORKSPACE_DIR / args.name
+    if directory.exists():
+        parser.error(f"{directory} exists; pick another name or delete it")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name):
+        parser.error(f"workspace name {args.name!r}: use letters, digits, _ . -")
+    only = set(args.only) if args.only else None
+    target = create_workspace(args.phase, directory, only, name=args.name)
+    package = phase_package(args.phase)
+    print(f"made {target.relative_to(ROOT)}; your exercises:\n")
+    for i, marker in sorted(markers.items()):
+        if phase_of(i) == args.phase and (only is None or i in only):
+            print(describe(i, marker))
+    print(
+        f"\nrun the tests on your code:  pytest tests/phase{args.phase} --impl {args.name}\n"
+        f"compare with the phase:      git diff --no-index {package.name} "
+        f"{target.relative_to(ROOT)}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
