@@ -49,6 +49,7 @@ import gc  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -386,8 +387,23 @@ def run_ladder(args, setup: Setup, out: Path) -> dict:
         margin = check_margin(state, [r.prompt_ids for r in check], reference[1])
         result["check"]["reference_phase"] = reference[0]
         result["check"]["reference_min_top2_margin"] = margin
-    result["uptime"] = os.popen("uptime").read().strip()
+    result["uptime"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    result["uncommitted_changes"] = uncommitted_changes()
     return result
+
+
+def uncommitted_changes() -> list[str]:
+    """Tracked files that differ from the recorded commit: the numbers are of this tree, not it."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return []  # a copy without .git (the GPU box): its commit is told, not checked
+    return [line[3:] for line in out.stdout.splitlines()]
 
 
 def run_phase(phase, mod, setup, state, checkpoint, device, check, reference) -> dict:
