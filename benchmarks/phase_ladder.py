@@ -30,8 +30,9 @@ A phase that fails to import (a phase still being built) is skipped and the erro
 
 `--device cuda`: phases 6-8 on workload W (SPEC-style, nano-vllm's bench.py) with Qwen3-0.6B
 shapes, random bf16 weights (benchmarks/phase6_qwen3_gpu.py's checkpoint) and W's temperature
-0.6; phases 1-5 only run TinyTransformer. Phase 6's readable attention pads every step to
-(seqs, heads, longest query, longest context), so the GPU token budget stays at 512 for all three.
+0.6; phases 1-5 only run TinyTransformer. The token budget is phase 6's GPU benchmark's, 512, for
+all three: the readable attention (phase 6's, on the GPU) gathers contexts into padded tensors
+that grow with it.
 
 Run: python -m benchmarks.phase_ladder [--phases 1 2 ...] [--quick] [--device cuda]
      [--threads 2] [--out FILE]   (writes results/phase_ladder_<device>.json and .png)
