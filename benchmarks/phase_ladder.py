@@ -94,6 +94,9 @@ MODEL = {  # TinyTransformer's ModelConfig; phase 5's benchmark model
 WEIGHT_SEED = 0
 CHECK_PROMPTS, CHECK_PROMPT_LEN, CHECK_TOKENS = 2, 16, 16  # the equivalence check's greedy decode
 W_TEMPERATURE = 0.6  # workload W's
+# Phases 5-8: the requests share no prefix, and with the cache on a repeated run would find the
+# previous run's blocks and skip its prefill.
+ENABLE_PREFIX_CACHING = False
 
 
 @dataclass(frozen=True)
@@ -222,8 +225,7 @@ def make_runner(phase: int, mod, setup: Setup, state: dict, checkpoint: Path, de
     paged = {
         "num_kv_blocks": setup.kv_slots // setup.block_size,
         "block_size": setup.block_size,
-        # The requests share no prefix; with the cache on, a repeated run would skip its prefill.
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": ENABLE_PREFIX_CACHING,
         **engine,
     }
     if phase in (1, 2):
@@ -354,7 +356,7 @@ def run_ladder(args, setup: Setup, out: Path) -> dict:
             "block_size": setup.block_size,
             "max_num_seqs": setup.max_num_seqs,
             "max_num_batched_tokens": setup.max_num_batched_tokens,
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": ENABLE_PREFIX_CACHING,
             "temperature": setup.temperature,
             "repeats": setup.repeats,
             "torch_threads": torch.get_num_threads(),
