@@ -18,8 +18,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
+    try:  # before the slow load: a bad flag is a usage error, not a traceback
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
     llm = LLM(args.model)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     start = time.perf_counter()
     out = llm.chat([{"role": "user", "content": " ".join(args.prompt)}], params, use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -7,6 +7,12 @@ run, runs it through the model runner, appends the sampled tokens, and retires s
 EOS, a stop token or max_tokens, freeing their KV slots for the next waiting request at once.
 `LLM.generate` is the offline loop around it: add everything, step until done.
 
+One bad request never breaks the engine: `SamplingParams` and `EngineConfig` are valid once built,
+`add_request` checks a prompt before queuing it, and `LLM.generate` is all or nothing (if anything
+raises, none of its requests stays queued or running). If a step itself raises (a model error),
+the requests it ran are aborted and their KV freed before the error propagates, so the next step
+starts clean instead of failing the same way forever.
+
 Invariant: after every step, `scheduler.check_invariants()` holds (tests call it each step).
 
 Phase 5: the engine owns a `BlockManager` instead of a slot allocator, and registers blocks that a
@@ -15,7 +21,9 @@ step filled with computed tokens in the prefix cache.
 Phase 6: real text. `LLM("path/or/hub-id")` (or `LLM()`, the embedded SmolLM2) loads a checkpoint
 and its tokenizer; every request streams its tokens through an incremental detokenizer, stops at
 any of the checkpoint's EOS ids or at a stop string (the text is cut before it), and
-`LLM.chat` renders conversations with the checkpoint's chat template.
+`LLM.chat` renders conversations with the checkpoint's chat template. Streamed text only grows:
+a step's output holds back the last len(stop) - 1 characters that could still begin a stop
+string (vLLM's rule) and any unfinished multi-byte character, so text already shown never changes.
 
 Phase 7: the engine's own per-step work must stay small next to a GPU step of a few
 milliseconds. Text is what costs: detokenizing every token of every request each step is tens of
@@ -40,15 +48,16 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .default_model import default_model_dir
 from .distributed import TensorParallel, start_workers
-from .loader import load_model, resolve_model_dir
+from .loader import load_model, resolve_device, resolve_dtype, resolve_model_dir
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string
+from .tokenizer import IncrementalDetokenizer, Tokenizer, check_conversations, find_stop_string
 from .trace import StepTrace
 
+Prompt = str | list[int]  # text, or token ids
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
 
 
@@ -77,10 +86,22 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class Request:
     seq: Sequence
-    prompt: str | None
+    prompt: str | None  # the text the caller gave, if it gave text
     detokenizer: IncrementalDetokenizer  # its output_text is the text of the tokens fed so far
     output_kind: RequestOutputKind
     num_detokenized: int = 0  # output tokens fed to the detokenizer
+
+
+def check_prompt(name: str, prompt: object) -> None:
+    """Raises TypeError unless `prompt` is text or a list of token ids (bytes are neither)."""
+    if not isinstance(prompt, str | list):
+        raise TypeError(f"{name} must be a str or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_optional(name: str, value: object, cls: type) -> None:
+    """Raises TypeError unless `value` is None or a `cls` (an argument in the wrong place, say)."""
+    if value is not None and not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
 
 
 class LLMEngine:
@@ -91,6 +112,10 @@ class LLMEngine:
         config: EngineConfig | None = None,
         trace: StepTrace | None = None,
     ):
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a Tokenizer, got {type(tokenizer).__name__}")
+        check_optional("config", config, EngineConfig)
+        check_optional("trace", trace, StepTrace)
         self.config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -106,11 +131,16 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> str:
+        """Queues one request; raises (changing nothing) if it is malformed or can never run."""
+        check_prompt("prompt", prompt)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_optional("request_id", request_id, str)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
         if max_len > self.model.config.max_position_embeddings:
@@ -139,14 +169,15 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
         vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {token!r}")
         return list(prompt)
 
     def abort_request(self, request_id: str) -> None:
@@ -161,11 +192,23 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns the requests that got a token or finished."""
+        """Runs one scheduler step; returns the requests that got a token or finished.
+
+        If the step raises, the requests it ran are aborted (their KV freed) and the error
+        propagates: what they computed is unknown, and a failure that depends on the request
+        would otherwise repeat at every later step.
+        """
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        # A step may run nothing (every running sequence was preempted); the trace still records
-        # it.
+        try:
+            return self._run(out, start)
+        except BaseException:
+            for seq, _ in out.scheduled:
+                self.abort_request(seq.request_id)
+            raise
+
+    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+        # The trace records every step, even one that scheduled nothing.
         tokens = self.runner.run(out.scheduled) if out.scheduled else []
         updated, finished = [], []
         for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):
@@ -236,10 +279,18 @@ class LLMEngine:
             request.detokenizer.flush()  # a character split at max_tokens still shows up
         reason = seq.finish_reason.value if seq.finish_reason else None
         text = request.detokenizer.output_text
+        if not seq.is_finished:  # the tail that may still turn out to start a stop string waits
+            text = text[: len(text) - stop_hold_back(seq.params)]
         completion = CompletionOutput(0, text, seq.output_token_ids, reason)
         return RequestOutput(
             seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished
         )
+
+
+def stop_hold_back(params: SamplingParams) -> int:
+    """Characters a running request's text keeps back: a stop string that ends in the next token
+    may start up to len(stop) - 1 characters before the end of the text so far (vLLM's rule)."""
+    return max((len(stop) - 1 for stop in params.stop), default=0)
 
 
 class LLM:
@@ -247,18 +298,23 @@ class LLM:
 
     `model`: a local Hugging Face directory or a hub id; None means the embedded SmolLM2.
     `dtype`: "auto" (bf16 on a bf16-capable GPU, else fp32), or "float32"/"bfloat16"/"float16".
+    Every option is checked before the slow load.
     """
 
     def __init__(
         self,
         model: str | os.PathLike | None = None,
         dtype: str | torch.dtype = "auto",
-        device: str | None = None,
+        device: str | torch.device | None = None,
         trace: StepTrace | None = None,
         **engine_kwargs,
     ):
         config = EngineConfig(**engine_kwargs)  # bad settings fail before the slow load
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if model is not None and not isinstance(model, str | os.PathLike):
+            raise TypeError(f"model must be a str, a path or None, got {type(model).__name__}")
+        check_optional("trace", trace, StepTrace)
+        device = resolve_device(device)
+        resolve_dtype(dtype, device)  # raises on an unknown dtype
         model_dir = resolve_model_dir(default_model_dir() if model is None else model)
         # Tensor parallelism (distributed.py): ranks 1.. load their shards in their own processes
         # and follow this one's steps; with one rank there is no process group at all.
@@ -291,7 +347,8 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation or a list of them, rendered with the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = check_conversations(messages)
+        check_optional("chat_template_kwargs", chat_template_kwargs, dict)
         tokenizer = self.engine.tokenizer
         prompts = [
             tokenizer.encode(
@@ -306,29 +363,58 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = []
+        """Runs every prompt to completion; outputs come back in the order of `prompts`.
+
+        All or nothing: if anything raises (a bad prompt, a model error, Ctrl-C), every request
+        of this call is aborted before the error propagates, so none runs later by surprise.
+        """
+        prompts, params = check_batch(prompts, sampling_params)
+        ids: list[str] = []
         try:
             for p, sp in zip(prompts, params, strict=True):
                 ids.append(self.engine.add_request(p, sp, output_kind=RequestOutputKind.FINAL_ONLY))
-        except ValueError:
-            for i in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
+            done: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            for i in ids:
                 self.engine.abort_request(i)
             raise
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
         return [done[i] for i in ids]
+
+
+def check_batch(
+    prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """`generate`'s arguments as one list of prompts and one of params, each checked by index.
+
+    A bare string is one prompt (as in vLLM); bytes are not text and are refused.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise TypeError(f"prompts must be a str or a list of prompts, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        check_prompt(f"prompts[{i}]", prompt)
+    params = SamplingParams() if sampling_params is None else sampling_params
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if not isinstance(params, list | tuple):
+        kind = type(params).__name__
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    for i, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(
+                f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}"
+            )
+    return list(prompts), list(params)

@@ -7,7 +7,10 @@ Idea: read config.json into a `ModelConfig`, build the model on the `meta` devic
 no memory, no random init), give it uninitialized storage on the target device, then copy every
 tensor from the safetensors files by name: our module names are the checkpoint keys (model.py).
 Everything is checked before a single weight is copied, so a bad checkpoint fails fast with a
-message naming the file and the key.
+`CheckpointError` naming the file and the key: invalid JSON, config values of the wrong type,
+`architectures` that disagree with `model_type`, a truncated or garbage safetensors file, missing,
+unexpected or misshaped tensors, and integer tensors (quantized or corrupt weights: casting them to
+floats would run a silently wrong model).
 
 Phase 7 (tensor parallelism): each rank builds the model for its `TensorParallel` rank and reads
 only its piece of every tensor: the sharded layers say which piece goes where (`shard()`, a
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import LOAD_FORMATS
 from .distributed import SINGLE_RANK, TensorParallel
@@ -48,6 +51,22 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # Old Llama exports store RoPE's inverse frequencies; we compute them instead.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT_TENSOR_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names for what we load
+ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# config.json fields we read, by the JSON type they must have (null means "absent" for all).
+CONFIG_FIELD_TYPES = {
+    **dict.fromkeys(
+        ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"),
+        int,
+    ),
+    "rms_norm_eps": float,
+    "rope_theta": float,
+    "tie_word_embeddings": bool,
+    "model_type": str,
+    "architectures": list,
+    "rope_parameters": dict,
+}  # fmt: skip
 # Dummy weights as vLLM draws them: uniform in [-1e-3, 1e-3], so bf16 activations stay finite.
 DUMMY_WEIGHT_RANGE = 1e-3
 DUMMY_SEED = 0  # rank r draws from DUMMY_SEED + r
@@ -68,7 +87,7 @@ class LoadedModel:
 def load_model(
     path_or_id: str | os.PathLike,
     dtype: torch.dtype | str = "auto",
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
     tp: TensorParallel = SINGLE_RANK,
     load_format: str = "auto",
 ) -> LoadedModel:
@@ -81,9 +100,9 @@ def load_model(
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    device = resolve_device(device)
     model_dir = resolve_model_dir(path_or_id)
-    device = torch.device(device)
-    config = ModelConfig.from_hf(read_hf_config(model_dir))
+    config = read_model_config(model_dir)
     model = _build_empty(config, resolve_dtype(dtype, device), device, tp)
     if load_format == "dummy":
         init_dummy_weights(model)
@@ -118,6 +137,18 @@ def _download(repo_id: str) -> Path:
         ) from e
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on (None: CUDA if present, else CPU), refusing names torch cannot parse."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"device must be a str or a torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a device torch knows: {e}") from None
+
+
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -129,18 +160,56 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+def read_model_config(model_dir: Path) -> ModelConfig:
+    hf = read_hf_config(model_dir)
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:  # "config.json lacks ...", an unsupported model: name the checkpoint
+        raise CheckpointError(f"{model_dir}: {e}") from None
+
+
 def read_hf_config(model_dir: Path) -> dict:
+    """config.json as a dict, its fields' types checked (a "64" is not a hidden size)."""
     path = model_dir / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
-    return json.loads(path.read_text(encoding="utf-8"))
+    hf = _read_json(path)
+    for key, kind in CONFIG_FIELD_TYPES.items():
+        value = hf.get(key)
+        bad_number = kind is not bool and isinstance(value, bool)  # JSON true is not a count
+        if value is not None and (bad_number or not isinstance(value, _json_types(kind))):
+            raise CheckpointError(f"{path}: {key!r} must be a JSON {kind.__name__}, got {value!r}")
+    model_type, architectures = hf.get("model_type"), hf.get("architectures")
+    expected = ARCHITECTURE_BY_MODEL_TYPE.get(model_type)
+    if expected is not None and architectures is not None and architectures != [expected]:
+        raise CheckpointError(
+            f"{path}: architectures {architectures} disagree with model_type {model_type!r} "
+            f"(which means [{expected!r}])"
+        )
+    return hf
+
+
+def _json_types(kind: type) -> type | tuple[type, ...]:
+    return (int, float) if kind is float else kind  # JSON writes 1e6 as 1000000.0 or 1000000
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards its index names, or every *.safetensors."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -211,7 +280,7 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path]) -> None:
     key_files = _check_keys(model, files, targets)
     with torch.no_grad():
         for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
+            with _open_safetensors(file) as f:
                 for key in f.keys():
                     if key_files.get(key) == file:
                         param, shard = targets[key].param, targets[key].shard
@@ -231,16 +300,22 @@ def _check_keys(
     """Key -> file it is read from; raises on unexpected, missing or wrongly shaped tensors."""
     key_files: dict[str, Path] = {}
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for key in f.keys():
                 if key.endswith(IGNORED_KEY_SUFFIXES):
                     continue
                 if key not in targets:
                     raise CheckpointError(f"{file.name}: unexpected key {key!r} (not in the model)")
-                shape, want = tuple(f.get_slice(key).get_shape()), targets[key].shard.full_shape
+                tensor = f.get_slice(key)
+                shape, want = tuple(tensor.get_shape()), targets[key].shard.full_shape
                 if shape != want:
                     raise CheckpointError(
                         f"{file.name}: {key!r} has shape {shape}, config.json implies {want}"
+                    )
+                if tensor.get_dtype() not in FLOAT_TENSOR_DTYPES:
+                    raise CheckpointError(
+                        f"{file.name}: {key!r} is {tensor.get_dtype()}, not a float tensor "
+                        "(quantized weights are not supported; casting them would be wrong)"
                     )
                 key_files[key] = file
     optional = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
@@ -251,3 +326,11 @@ def _check_keys(
         )
         raise CheckpointError(f"checkpoint in {files[0].parent} lacks {shown}")
     return key_files
+
+
+def _open_safetensors(file: Path):
+    """`safe_open`, with a truncated or garbage file reported as a CheckpointError naming it."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None

@@ -3,36 +3,65 @@
 Problem: greedy decoding (argmax) is deterministic, dull and falls into loops ("the the the").
 Idea: treat the logits as a distribution and draw from it, after reshaping it:
 - temperature T divides the logits: T < 1 sharpens, T > 1 flattens, T = 0 means greedy;
+- min_p keeps tokens whose probability is at least min_p times the most likely token's;
 - top_k keeps the k most likely tokens;
-- top_p (nucleus) keeps the smallest set of most likely tokens whose probability reaches p;
-- min_p keeps tokens whose probability is at least min_p times the most likely token's.
-They apply in that order, each to what the previous one left. The most likely token always
-survives every filter, so there is always something to sample.
-
-From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; from phase 6
-`stop` strings and `skip_special_tokens`.
+- top_p (nucleus) keeps the smallest set of most likely tokens whose probability reaches p.
+They apply in vLLM's order (temperature, min-p, top-k, top-p), each to what the previous one left,
+so top-p's nucleus is measured on the temperature-scaled, min-p-filtered distribution. The most
+likely token always survives every filter, so there is always something to sample.
 
 Every request owns a `torch.Generator`: with `seed` set, the same request gives the same text no
 matter what else runs beside it (that matters once requests share a batch, phase 3 onwards).
 
-Phase 7: `Sampler` draws one row at a time with its own kernels and a host transfer per request;
-at 256 requests a step that is hundreds of launches and syncs. `sample_batch` does the whole batch
-in one pass with per-row parameter tensors (`SamplingBatch`) and returns a device tensor, so the
-engine copies tokens to the host once per step. It follows vLLM's order, which differs from the
-one above: temperature, then min-p, then top-k, then top-p on what top-k left. (min-p compares
-ratios to the top token, which top-k keeps, so only top-p's nucleus can differ: computed after
-min-p here, before it in `filtered_logits`.) It draws with the exponential race (Gumbel-max):
-argmax(probs / E) with E ~ Exponential(1) picks token i with probability probs[i], without the
-cumulative-sum search of `torch.multinomial`, and without any sort unless a row asks for top-k or
-top-p. Greedy rows take the exact argmax of the logits. A seeded request draws its noise row from
-its own generator, so its tokens do not depend on what shares its batch.
+From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; from phase 6
+`stop` strings and `skip_special_tokens`. Phase 6 also samples a whole batch in one pass
+(`sample_batch`): the same filters with per-row parameter tensors, and one device-to-host copy of
+the chosen ids per step instead of one per row.
+
+Invariant: a `SamplingParams` that exists is valid. Every field is checked with its type when it is
+built (a bool is not a token count, 2.5 is not one either, NaN is not a temperature, a seed fits in
+64 bits), with an error naming the field: a bad request fails where it is made, never inside a
+later batch it shares with good ones.
+
+Phase 7: `sample_batch` stays on the device. Phase 6's batched pass still copies per-row
+parameters each step, sorts every row for top-k and draws with `torch.multinomial` row by row;
+here one step's parameters are per-row tensors (`SamplingBatch`), rows that need no filter skip
+the sort, and the draw is the exponential race (Gumbel-max): argmax(probs / E) with
+E ~ Exponential(1) picks token i with probability probs[i], with no cumulative-sum search. With no
+filter at all it is one Triton pass over logits and noise (`kernels/sampling.py`). Greedy rows take
+the exact argmax of the logits; a seeded request draws its noise row from its own generator, so
+its tokens do not depend on what shares its batch. The result is a device tensor: the engine
+copies tokens to the host once per step.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 TINY = torch.finfo(torch.float32).tiny  # noise floor: E == 0 would divide 0 / 0 for a dropped token
+
+# The smallest positive temperature: 1/T multiplies the logits, and float32 overflows to inf (then
+# softmax gives NaN) once T nears 1e-38. 1e-5 keeps that far away for any logit below 1e33, and is
+# the threshold below which vLLM (_SAMPLING_EPS) treats a temperature as greedy. Use 0 for greedy.
+MIN_TEMPERATURE = 1e-5
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    """Raises unless `value` is an int (not a bool: True is not a token count) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"SamplingParams.{name} must be >= {minimum}, got {value}")
+
+
+def _check_real(name: str, value: object) -> None:
+    """Raises unless `value` is a finite int or float (not a bool, not NaN, not inf)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
 
 
 @dataclass(frozen=True)
@@ -49,22 +78,52 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave <|im_end|> and friends out of the text
 
     def __post_init__(self):
-        # Accept vLLM users' habits (a list, or one string) but store tuples: params are frozen.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
+        # Accept vLLM users' habits (a list) but store tuples: params are frozen.
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise TypeError(
+                f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, or None to disable it; got {self.top_k}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))  # one string is one stop, as in vLLM
+        if not isinstance(self.stop, list | tuple):
+            raise TypeError(
+                f"SamplingParams.stop must be a str or a list of str, got {self.stop!r}"
+            )
+        object.__setattr__(self, "stop", tuple(self.stop))
+        _check_real("temperature", self.temperature)
+        if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(
+                f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
+                f"got {self.temperature}"
+            )
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, minimum=1)  # None disables it
+        _check_real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        _check_real("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+            if self.seed >= SEED_LIMIT:
+                raise ValueError(f"SamplingParams.seed must be < 2**64, got {self.seed}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, minimum=0)
+        for stop in self.stop:
+            if not isinstance(stop, str):
+                raise TypeError(f"SamplingParams.stop must hold strings, got {stop!r}")
+            if not stop:
+                raise ValueError("SamplingParams.stop must not hold an empty string")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise TypeError(
+                "SamplingParams.skip_special_tokens must be a bool, "
+                f"got {self.skip_special_tokens!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -93,14 +152,15 @@ def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The logits the sampler draws from: temperature-scaled, filtered tokens set to -inf."""
+    """The logits the sampler draws from: temperature-scaled, then min-p, top-k, top-p filtered
+    (vLLM's order); filtered tokens are set to -inf."""
     logits = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        logits = logits.masked_fill(min_p_mask(logits, params.min_p), float("-inf"))
     if params.top_k is not None:
         logits = logits.masked_fill(top_k_mask(logits, params.top_k), float("-inf"))
     if params.top_p < 1.0:
         logits = logits.masked_fill(top_p_mask(logits, params.top_p), float("-inf"))
-    if params.min_p > 0.0:
-        logits = logits.masked_fill(min_p_mask(logits, params.min_p), float("-inf"))
     return logits
 
 

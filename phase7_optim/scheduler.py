@@ -12,11 +12,16 @@ With chunked prefill a prompt larger than the remaining budget takes what is lef
 continues next step; without it, a prompt waits until it fits whole.
 When a running sequence cannot get KV room, the most recently admitted sequence is preempted
 (LIFO, like an OOM killer picking the newest process): its cache is freed and it goes back to the
-front of the waiting queue, to be recomputed from scratch.
+front of the waiting queue, to be recomputed from scratch. A sequence alone in the pool always
+finds room, so it never preempts itself.
+Admission keeps a watermark: a newcomer is admitted only if, besides its own blocks, one free block
+per running sequence (the newcomer included) remains, so the next decode step does not have to
+evict what this step took in. (vLLM keeps 1% of the cache free; one block per sequence is what our
+small pools need.) After a preemption nobody is admitted in the same step: memory is short.
 
-Phase 5: KV room is counted in blocks (block_manager.py). On admission the longest cached prefix
-of the sequence's tokens is mapped from the prefix cache and counted as computed, so only the rest
-is scheduled; a preempted sequence often finds its own old blocks still cached.
+Since phase 4: KV room is counted in blocks (block_manager.py). On admission the longest cached
+prefix of the sequence's tokens is mapped from the prefix cache and counted as computed, so only
+the rest is scheduled; a preempted sequence often finds its own old blocks still cached.
 
 Invariants (check_invariants): every running sequence has a block table and no other sequence has
 one; running <= max_num_seqs; waiting sequences have num_computed_tokens == 0.
@@ -62,8 +67,8 @@ class Scheduler:
         return out
 
     # exercise 4.1: the token budget and chunked prefill
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+        """How many of a sequence's `remaining` uncomputed tokens run this step."""
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
@@ -72,7 +77,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            num_new = self._num_new_tokens(seq, budget)
+            num_new = self._num_new_tokens(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:
                 continue
             while not self.block_manager.can_append_slots(seq, num_new):
@@ -90,13 +95,17 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.match_prefix(seq)
-            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
-            num_new = self._num_new_tokens(seq, budget)
-            num_tokens = seq.num_computed_tokens + num_new
-            if num_new == 0 or not self.block_manager.can_allocate(cached, num_tokens):
-                seq.num_computed_tokens = 0  # stays waiting, with nothing computed
+            num_computed = len(cached) * self.block_manager.block_size
+            num_new = self._num_new_tokens(seq.num_tokens - num_computed, budget)
+            # One block per running sequence and one for the newcomer; none if it will run alone:
+            # it then has the whole pool, and a request that fits the pool must always get in.
+            watermark = len(self.running) + 1 if self.running else 0
+            if num_new == 0 or not self.block_manager.can_allocate(
+                cached, num_computed + num_new, watermark
+            ):
                 return  # first come, first served: nobody overtakes the head of the queue
-            self.block_manager.allocate(seq, cached, num_tokens)
+            seq.num_computed_tokens = num_computed  # the cached prefix counts as computed
+            self.block_manager.allocate(seq, cached, num_computed + num_new)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

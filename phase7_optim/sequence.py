@@ -60,11 +60,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def max_len(self) -> int:
-        """The most tokens this sequence can ever hold (prompt + max_tokens)."""
-        return self.num_prompt_tokens + self.params.max_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

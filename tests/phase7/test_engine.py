@@ -118,10 +118,12 @@ ENGINE_CONFIGS = {
     "block_size_1": lambda prompts: {"block_size": 1},
     "block_size_7": lambda prompts: {"block_size": 7, "max_num_batched_tokens": 16},
     "no_prefix_caching": lambda prompts: {"enable_prefix_caching": False},
-    # Blocks for the longest request alone: the others are preempted and recomputed.
+    # Blocks for the longest request and a few more: admission (which keeps a watermark) lets
+    # several in, and their decodes outgrow the pool, so they are preempted and recomputed. With
+    # no spare block at all the scheduler admits one request at a time and never preempts.
     "heavy_preemption": lambda prompts: {
         "block_size": 4,
-        "num_kv_blocks": -(-longest_request(prompts) // 4),
+        "num_kv_blocks": -(-longest_request(prompts) // 4) + 3,
     },
 }
 
@@ -263,6 +265,24 @@ def test_streamed_text_grows_and_equals_decode(tiny_llm, tiny_prompts):
     for out, steps in zip(outputs, texts, strict=True):
         assert all(b.startswith(a) for a, b in zip(steps, steps[1:], strict=False))
         assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids, True)
+
+
+def test_streamed_text_never_changes_when_a_stop_string_straddles_tokens(tiny_llm, long_reply):
+    """A stop string that begins in one token and ends in the next: the step that emits the first
+    token must hold its tail back (len(stop) - 1 characters), or the cut would take back text
+    already shown."""
+    full, pieces = long_reply
+    k = next(i for i in range(4, 23) if pieces[i] and len(pieces[i + 1].strip()) >= 2)
+    stop = pieces[k][-1] + pieces[k + 1].strip()[:2]  # ends inside token k + 1
+    assert stop not in full.text[: full.text.index(stop) + len(stop) - 1]
+    outputs, texts = run(tiny_llm, ["Tell me a story."], greedy(24, stop=stop))
+    (steps,) = texts
+    final = outputs[0].outputs[0]
+    assert final.finish_reason == "stop" and final.text == full.text[: full.text.index(stop)]
+    assert all(final.text.startswith(text) for text in steps), "streamed text was taken back"
+    for text, num_tokens in zip(steps[:-1], range(1, len(steps)), strict=True):
+        shown = tiny_llm.get_tokenizer().decode(full.token_ids[:num_tokens], True)
+        assert text == shown[: len(shown) - (len(stop) - 1)]  # exactly vLLM's hold-back
 
 
 # A bigram "script": each token's embedding is a unit vector that the untied LM head maps to the

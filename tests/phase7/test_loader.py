@@ -105,3 +105,71 @@ def test_dtype_auto_is_float32_on_cpu():
     assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
     with pytest.raises(ValueError, match="dtype 'fp8'"):
         resolve_dtype("fp8", torch.device("cpu"))
+
+
+def edit_config(directory, **changes) -> None:
+    path = directory / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def test_invalid_config_json_names_the_file(checkpoint):
+    (checkpoint / "config.json").write_text('{"model_type": "qwen3", ')
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        load_model(checkpoint)
+    (checkpoint / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"config\.json: expected a JSON object"):
+        load_model(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"hidden_size": "64"}, "hidden_size"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers"),
+        ({"vocab_size": True}, "vocab_size"),  # JSON true is not a count
+        ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+        ({"architectures": "Qwen3ForCausalLM"}, "architectures"),
+        ({"rope_parameters": 1e6}, "rope_parameters"),
+    ],
+)
+def test_config_values_of_the_wrong_type_name_the_file_and_key(checkpoint, changes, key):
+    edit_config(checkpoint, **changes)
+    with pytest.raises(CheckpointError, match=rf"config\.json: '{key}' must be a JSON"):
+        load_model(checkpoint)
+
+
+def test_a_missing_config_value_names_the_file(checkpoint):
+    edit_config(checkpoint, intermediate_size=None)
+    with pytest.raises(CheckpointError, match=r"ckpt: config\.json lacks 'intermediate_size'"):
+        load_model(checkpoint)
+
+
+def test_architectures_that_disagree_with_model_type(checkpoint):
+    # A Qwen3 checkpoint relabelled as Llama would load without its q/k norms: refused instead.
+    edit_config(checkpoint, model_type="llama")
+    with pytest.raises(CheckpointError, match=r"\['Qwen3ForCausalLM'\] disagree with model_type"):
+        load_model(checkpoint)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_unreadable_safetensors_names_the_file(checkpoint, damage):
+    path = checkpoint / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not weights" * 100)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors"):
+        load_model(checkpoint)
+
+
+def test_integer_weights_are_refused_not_cast(checkpoint):
+    key = "model.layers.0.input_layernorm.weight"
+    edit_weights(checkpoint, lambda t: t.update({key: torch.ones(t[key].shape, dtype=torch.int8)}))
+    with pytest.raises(CheckpointError, match=r"input_layernorm\.weight' is I8, not a float"):
+        load_model(checkpoint)
+
+
+def test_invalid_index_json_names_the_file(tmp_path, qwen3_tokenizer_dir):
+    directory = save_tiny_qwen3(tmp_path, qwen3_tokenizer_dir, tied=True, max_shard_size="10MB")
+    (directory / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not valid JSON"):
+        weight_files(directory)
