@@ -100,16 +100,28 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
+class ApiKeyMiddleware:
+    """Plain ASGI (not Starlette's BaseHTTPMiddleware, which would put its own task between a
+    streaming response and the client and delay the disconnect that aborts the request)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(
+                    401, "Incorrect API key provided.", code="invalid_api_key"
+                )
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if config.api_key is None or request.url.path in OPEN_PATHS:
-            return await call_next(request)
-        expected = f"Bearer {config.api_key}".encode()
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            return error_response(401, "Incorrect API key provided.", code="invalid_api_key")
-        return await call_next(request)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -147,8 +159,9 @@ class _Server:
         choices = [ChoiceStream(i, s, self.tokenizer, body.stop) for i, s in enumerate(streams)]
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
-            events = self._events(choices, meta, body, prompts, chat)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return EngineStreamingResponse(
+                self._events(choices, meta, body, prompts, chat), streams
+            )
         try:
             await _unless_disconnected(request, asyncio.gather(*(c.run() for c in choices)))
         except EngineStepError as e:
@@ -217,6 +230,27 @@ class _Server:
             for c in choices:
                 c.stream.close()
         yield "data: [DONE]\n\n"
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """Server-sent events that close their engine requests however the response ends.
+
+    When the client goes away, Starlette cancels the response wherever it is waiting; if that is
+    inside `send`, the event generator is left suspended and its `finally` would run only when
+    the garbage collector finalizes it. So the cleanup is done here, explicitly.
+    """
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self.streams:
+                stream.close()  # aborts what has not finished: its KV blocks are freed
+            await self.body_iterator.aclose()  # ends the generator and its helper tasks
 
 
 def _sse(payload: dict) -> str:

@@ -261,3 +261,39 @@ def test_schemathesis_finds_no_server_error(live_server):
     live_server.wait_until_idle(timeout=1.0)
     with httpx.Client(base_url=live_server.base_url, timeout=30) as http:
         assert_still_serving(http)
+
+
+def test_disconnect_while_blocked_in_send_frees_the_blocks(slow_engine):
+    """The client vanishes while the server waits to write (a full socket buffer): the response
+    is cancelled inside `send`, outside the event generator, and must still abort its request."""
+    app = build_app(slow_engine.llm, slow_engine.config)
+    body = {"prompt": "long", "max_tokens": LONG_MAX_TOKENS, "stream": True, "ignore_eos": True}
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1)}  # fmt: skip
+
+    async def main():
+        first_chunk, gone = asyncio.Event(), asyncio.Event()
+        requests = iter([{"type": "http.request", "body": json.dumps(body).encode()}])
+
+        async def receive():
+            message = next(requests, None)
+            if message is None:
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            return message
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                first_chunk.set()
+                await asyncio.Event().wait()  # the socket buffer never drains
+
+        task = asyncio.create_task(app(scope, receive, send))
+        await first_chunk.wait()
+        gone.set()
+        await asyncio.wait_for(task, timeout=1.0)
+
+    asyncio.run(main())
+    slow_engine.wait_until_idle(timeout=1.0)
