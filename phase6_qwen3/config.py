@@ -4,7 +4,15 @@ Values computed at run time (how many requests are running, how many slots are f
 the scheduler and the cache, never here: the config is frozen.
 """
 
+import enum
 from dataclasses import dataclass
+
+
+class PreemptionMode(enum.Enum):
+    """What happens to a preempted sequence's KV blocks (vLLM's `preemption_mode`)."""
+
+    RECOMPUTE = "recompute"  # dropped; its tokens are prefilled again when it is readmitted
+    SWAP = "swap"  # copied to a CPU pool of `num_cpu_kv_blocks` blocks, and back when room returns
 
 
 @dataclass(frozen=True)
@@ -15,6 +23,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per block
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE  # a str is converted
+    num_cpu_kv_blocks: int = 0  # the CPU pool swapped-out blocks wait in (swap mode)
 
     @property
     def num_kv_slots(self) -> int:
@@ -24,3 +34,13 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        modes = [m.value for m in PreemptionMode]
+        if self.preemption_mode not in modes + list(PreemptionMode):
+            raise ValueError(f"EngineConfig.preemption_mode must be one of {modes}")
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        if self.num_cpu_kv_blocks < 0:
+            raise ValueError(
+                f"EngineConfig.num_cpu_kv_blocks must be >= 0, got {self.num_cpu_kv_blocks}"
+            )
+        if self.preemption_mode == PreemptionMode.SWAP and self.num_cpu_kv_blocks < 1:
+            raise ValueError("EngineConfig.num_cpu_kv_blocks must be >= 1 to swap")

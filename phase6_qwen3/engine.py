@@ -80,8 +80,9 @@ class LLMEngine:
         self.eos_token_ids = tokenizer.eos_token_ids
         self.trace = trace
         self.block_manager = BlockManager(
-            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
+            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching,
+            self.config.num_cpu_kv_blocks,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config, self.block_manager)
         self.requests: dict[str, Request] = {}
@@ -146,6 +147,7 @@ class LLMEngine:
         """Runs one scheduler step; returns the requests that got a token or finished."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         # A step may run nothing (every running sequence was preempted); the trace still records
         # it.
         tokens = self.runner.run(out.scheduled) if out.scheduled else []

@@ -55,11 +55,23 @@ def run_phase3_static_batch(state):
     return mod.generate_batch(model, PROMPTS, params).token_ids
 
 
-def run_phase4(state, **engine_kwargs):
+LONGEST = max(len(p) for p in PROMPTS) + MAX_NEW
+
+
+def preemptions(trace) -> int:
+    return sum(len(step.preempted) for step in trace.steps)
+
+
+def run_phase4(state, min_preemptions: int = 0, **engine_kwargs):
     mod, model = build("phase4_scheduler", state)
     params = mod.SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    outputs = mod.LLM(model, **engine_kwargs).generate(PROMPTS, params, use_tqdm=False)
-    return [out.outputs[0].token_ids for out in outputs]
+    trace = mod.StepTrace()
+    # The prompts twice: more requests at once, and each copy must match the other.
+    llm = mod.LLM(model, trace=trace, **engine_kwargs)
+    token_ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, params, use_tqdm=False)]
+    assert token_ids[: len(PROMPTS)] == token_ids[len(PROMPTS) :]
+    assert preemptions(trace) >= min_preemptions, "the run was meant to preempt"
+    return token_ids[: len(PROMPTS)]
 
 
 def run_phase4_tiny_chunks(state):
@@ -67,17 +79,21 @@ def run_phase4_tiny_chunks(state):
 
 
 def run_phase4_heavy_preemption(state):
-    # KV cache just large enough for the longest request alone: the others are preempted.
-    return run_phase4(state, num_kv_slots=max(len(p) for p in PROMPTS) + MAX_NEW)
+    # A KV cache a little larger than the longest request: several are admitted, then the newest
+    # are preempted and recomputed (with room for the longest alone, admission's watermark runs
+    # them one at a time).
+    return run_phase4(state, min_preemptions=2, num_kv_slots=LONGEST + 20)
 
 
-def run_phase5(state, **engine_kwargs):
+def run_phase5(state, min_preemptions: int = 0, **engine_kwargs):
     mod, model = build("phase5_paged", state)
     params = mod.SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    trace = mod.StepTrace()
     # The prompts twice: the second copies hit the prefix cache filled by the first ones.
-    outputs = mod.LLM(model, **engine_kwargs).generate(PROMPTS * 2, params, use_tqdm=False)
-    token_ids = [out.outputs[0].token_ids for out in outputs]
+    llm = mod.LLM(model, trace=trace, **engine_kwargs)
+    token_ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, params, use_tqdm=False)]
     assert token_ids[: len(PROMPTS)] == token_ids[len(PROMPTS) :]
+    assert preemptions(trace) >= min_preemptions, "the run was meant to preempt"
     return token_ids[: len(PROMPTS)]
 
 
@@ -93,10 +109,14 @@ def run_phase5_no_prefix_caching(state):
     return run_phase5(state, enable_prefix_caching=False)
 
 
-def run_phase5_heavy_preemption(state):
+def run_phase5_heavy_preemption(state, **engine_kwargs):
     # Blocks for the longest request alone: the others are preempted, shared blocks included.
-    longest = max(len(p) for p in PROMPTS) + MAX_NEW
-    return run_phase5(state, block_size=4, num_kv_blocks=-(-longest // 4))
+    num_kv_blocks = -(-LONGEST // 4)
+    return run_phase5(state, 2, block_size=4, num_kv_blocks=num_kv_blocks, **engine_kwargs)
+
+
+def run_phase5_heavy_preemption_swap(state):
+    return run_phase5_heavy_preemption(state, preemption_mode="swap", num_cpu_kv_blocks=64)
 
 
 RUNNERS = {
@@ -111,6 +131,7 @@ RUNNERS = {
     "phase5_paged/block_size_7_tiny_chunks": run_phase5_block_size_7_tiny_chunks,
     "phase5_paged/no_prefix_caching": run_phase5_no_prefix_caching,
     "phase5_paged/heavy_preemption": run_phase5_heavy_preemption,
+    "phase5_paged/heavy_preemption_swap": run_phase5_heavy_preemption_swap,
 }
 
 
