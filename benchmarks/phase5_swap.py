@@ -6,9 +6,10 @@ what a token costs to recompute (a forward pass: FLOPs) against what it costs to
 and values: bytes, twice). For each prompt length:
 1. unit costs: one prefill of the whole context vs one swap out + in of its blocks, and both per
    token;
-2. end to end: NUM_REQUESTS requests under a KV cache a few blocks larger than the longest
-   request (so the newest are preempted), in each mode: wall time, preemptions, blocks swapped,
-   and whether the tokens are identical (they must be).
+2. end to end: NUM_REQUESTS requests under a KV cache that holds two prompts (and admission's
+   watermark) but not two finished requests, so two run and then the newer is preempted, in each
+   mode: wall time, preemptions, tokens recomputed, blocks swapped, and whether the tokens are
+   identical (they must be).
 On this CPU-only setup both pools live in the same RAM, so a swap is a memcpy; on a GPU it crosses
 PCIe (tens of GB/s) while recompute runs at the GPU's FLOP rate.
 Run: python -m benchmarks.phase5_swap [--quick] [--threads 2] [--out DIR]
@@ -16,6 +17,7 @@ Run: python -m benchmarks.phase5_swap [--quick] [--threads 2] [--out DIR]
 """
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +40,6 @@ MODEL = dict(
 )  # fmt: skip  (phase 4's benchmark model)
 PROMPT_LENS = (64, 768)  # short and long contexts
 NUM_REQUESTS, OUTPUT_LEN, BLOCK_SIZE = 6, 32, 16
-EXTRA_BLOCKS = 8  # the KV cache holds the longest request plus this: several run, then preempt
 REPEATS = 5  # unit costs: the median of this many
 QUICK = dict(prompt_lens=(32, 128), num_requests=4, repeats=2)
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "mini-vllm-benchmarks"
@@ -86,8 +87,10 @@ def end_to_end(model, prompt_len: int, num_requests: int, mode: str) -> tuple[di
         output_len=(OUTPUT_LEN, OUTPUT_LEN), vocab_size=MODEL["vocab_size"],
     )  # fmt: skip
     longest = -(-(prompt_len + OUTPUT_LEN) // BLOCK_SIZE)
+    watermark = 2  # admission keeps a block per running sequence, the newcomer included
     config = phase5_paged.EngineConfig(
-        num_kv_blocks=longest + EXTRA_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=False,
+        num_kv_blocks=2 * -(-prompt_len // BLOCK_SIZE) + watermark, block_size=BLOCK_SIZE,
+        enable_prefix_caching=False,
         preemption_mode=mode, num_cpu_kv_blocks=num_requests * longest if mode == "swap" else 0,
     )  # fmt: skip
     trace = phase5_paged.StepTrace()
@@ -125,6 +128,7 @@ def main():
     args = add_thread_arg(parser).parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     set_threads(args.threads)
+    load_before = os.getloadavg()[0]
     prompt_lens = QUICK["prompt_lens"] if args.quick else PROMPT_LENS
     num_requests = QUICK["num_requests"] if args.quick else NUM_REQUESTS
     repeats = QUICK["repeats"] if args.quick else REPEATS
@@ -162,8 +166,8 @@ def main():
                 "output_len": OUTPUT_LEN,
                 "greedy": True,
                 "block_size": BLOCK_SIZE,
-                "extra_blocks": EXTRA_BLOCKS,
             },
+            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
             "by_prompt_len": results,
         },  # fmt: skip
         args.out / "phase5_swap.json",

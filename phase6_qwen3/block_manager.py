@@ -99,7 +99,7 @@ class BlockManager:
         return matched
 
     def can_allocate(self, cached: list[int], num_tokens: int, watermark: int) -> bool:
-        """Room for a new sequence's first `num_tokens` tokens, reusing the `cached` blocks, with
+        """Room for `num_tokens` of a new sequence's tokens, reusing the `cached` blocks, with
         `watermark` blocks still free afterwards for the running sequences' next step?"""
         new_blocks = self._blocks_needed(num_tokens) - len(cached)
         reclaimed = sum(1 for b in cached if self.blocks[b].ref_cnt == 0)  # leave the free queue
@@ -107,8 +107,8 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> None:
         """Builds `seq`'s block table: the cached prefix, then fresh blocks up to `num_tokens`.
-        Precondition: can_allocate(cached, num_tokens, ...); seq.num_computed_tokens counts the
-        cached prefix."""
+        Precondition: can_allocate(cached, n, ...) for some n >= num_tokens;
+        seq.num_computed_tokens counts the cached prefix."""
         assert seq.seq_id not in self.block_tables
         for block_id in cached:
             self._take(block_id)

@@ -16,10 +16,11 @@ front of the waiting queue, to be recomputed from scratch. With preemption_mode=
 are copied to a CPU pool instead, and it waits in `swapped` with its computed tokens intact,
 to be copied back before any new request is admitted (when the CPU pool is full, it is
 recomputed). A sequence alone in the pool always finds room, so it never preempts itself.
-Admission keeps a watermark: a newcomer is admitted only if, besides its own blocks, one free block
-per running sequence (the newcomer included) remains, so the next decode step does not have to
-evict what this step took in. (vLLM keeps 1% of the cache free; one block per sequence is what our
-small pools need.) After a preemption nobody is admitted in the same step: memory is short.
+Admission keeps a watermark: a newcomer is admitted only if there is room for all its tokens (not
+just this step's chunk) and, besides, one free block per running sequence (the newcomer included),
+so the next steps do not have to evict what this step took in. (vLLM keeps 1% of the cache free; one
+block per sequence is what our small pools need.) After a preemption nobody is admitted in the same
+step: memory is short.
 
 Since phase 4: KV room is counted in blocks (block_manager.py). On admission the longest cached
 prefix of the sequence's tokens is mapped from the prefix cache and counted as computed, so only
@@ -108,8 +109,10 @@ class Scheduler:
             # One block per running sequence and one for the newcomer; none if it will run alone:
             # it then has the whole pool, and a request that fits the pool must always get in.
             watermark = len(self.running) + 1 if self.running else 0
+            # Room for all its tokens, not just this step's chunk: admitted for a first chunk only,
+            # it would be evicted by its own next chunk, again and again.
             if num_new == 0 or not self.block_manager.can_allocate(
-                cached, num_computed + num_new, watermark
+                cached, seq.num_tokens, watermark
             ):
                 return  # first come, first served: nobody overtakes the head of the queue
             seq.num_computed_tokens = num_computed  # the cached prefix counts as computed
@@ -126,7 +129,8 @@ class Scheduler:
             seq = self.swapped[0]
             num_new = self._num_new_tokens(seq.num_tokens - seq.num_computed_tokens, budget)
             watermark = len(self.running) + 1 if self.running else 0  # as for admission
-            if num_new == 0 or not self.block_manager.can_swap_in(seq, num_new, watermark):
+            remaining = seq.num_tokens - seq.num_computed_tokens  # all of it, as for admission
+            if num_new == 0 or not self.block_manager.can_swap_in(seq, remaining, watermark):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += self.block_manager.swap_in(seq, num_new)
