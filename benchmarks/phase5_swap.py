@@ -6,10 +6,9 @@ what a token costs to recompute (a forward pass: FLOPs) against what it costs to
 and values: bytes, twice). For each prompt length:
 1. unit costs: one prefill of the whole context vs one swap out + in of its blocks, and both per
    token;
-2. end to end: NUM_REQUESTS requests under a KV cache that holds two prompts (and admission's
-   watermark) but not two finished requests, so two run and then the newer is preempted, in each
-   mode: wall time, preemptions, tokens recomputed, blocks swapped, and whether the tokens are
-   identical (they must be).
+2. end to end: NUM_REQUESTS requests under a KV cache that admits two at once but cannot finish
+   both, so the newer is preempted; in each mode: wall time, preemptions, tokens recomputed,
+   blocks swapped, and whether the tokens are identical (they must be).
 On this CPU-only setup both pools live in the same RAM, so a swap is a memcpy; on a GPU it crosses
 PCIe (tens of GB/s) while recompute runs at the GPU's FLOP rate.
 Run: python -m benchmarks.phase5_swap [--quick] [--threads 2] [--out DIR]
@@ -87,9 +86,10 @@ def end_to_end(model, prompt_len: int, num_requests: int, mode: str) -> tuple[di
         output_len=(OUTPUT_LEN, OUTPUT_LEN), vocab_size=MODEL["vocab_size"],
     )  # fmt: skip
     longest = -(-(prompt_len + OUTPUT_LEN) // BLOCK_SIZE)
-    watermark = 2  # admission keeps a block per running sequence, the newcomer included
+    # Two prompts, the first one's first new block and admission's watermark of 2: two requests
+    # run at once, and cannot both finish (the JSON records the preemptions that follow).
     config = phase5_paged.EngineConfig(
-        num_kv_blocks=2 * -(-prompt_len // BLOCK_SIZE) + watermark, block_size=BLOCK_SIZE,
+        num_kv_blocks=2 * -(-prompt_len // BLOCK_SIZE) + 1 + 2, block_size=BLOCK_SIZE,
         enable_prefix_caching=False,
         preemption_mode=mode, num_cpu_kv_blocks=num_requests * longest if mode == "swap" else 0,
     )  # fmt: skip
