@@ -45,6 +45,11 @@ class Harness(BaseHarness):
         assert all(s.num_computed_tokens == 0 for s in recomputed)
         assert len(swapped) + len(recomputed) == len(victims)
 
+    def check_step(self, record, *args) -> None:
+        super().check_step(record, *args)
+        if self.scheduler.swapped:  # swapped-out sequences came first: they go back in first
+            assert not record.admitted, "admitted a newcomer while an older one waits swapped"
+
 
 @pytest.fixture(scope="module")
 def tiny_model():
@@ -79,6 +84,21 @@ def test_admission_keeps_a_watermark_for_the_next_decode_step(tiny_model):
     assert first.num_output_tokens == 5 and second.num_output_tokens == 2
 
 
+def test_a_chunked_prompt_is_admitted_only_when_all_of_it_fits(tiny_model):
+    """Admitted for a first chunk that fits, a prompt that cannot fit whole beside the running
+    sequence would be evicted by its own later chunk, readmitted, evicted again: thrashing."""
+    config = EngineConfig(num_kv_blocks=9, block_size=4, max_num_batched_tokens=8)
+    h = Harness(tiny_model, config)
+    first = h.add(4, 16)  # 1 block now, 5 at the end
+    long = h.add(28, 1)  # 7 blocks + the watermark of 2 > the 8 left; a 4-token chunk would fit
+    h.step()
+    while not first.is_finished:
+        h.step()
+        assert long.status == SequenceStatus.WAITING
+    h.drain()
+    assert sum(len(r.preempted) for r in h.trace.steps) == 0
+
+
 def test_a_lone_request_that_fills_the_pool_is_admitted(tiny_model):
     """The watermark never keeps out a request that fits the pool alone (liveness)."""
     h = Harness(tiny_model, EngineConfig(num_kv_blocks=2, block_size=4))
@@ -90,11 +110,12 @@ def test_a_lone_request_that_fills_the_pool_is_admitted(tiny_model):
 def test_swap_keeps_a_victims_computed_tokens_and_brings_them_back(tiny_model):
     """FakeRunner checks that the swapped-in blocks hold the victim's own keys/values."""
     config = EngineConfig(
-        num_kv_blocks=6, block_size=2, enable_prefix_caching=False,
+        num_kv_blocks=7, block_size=2, enable_prefix_caching=False,
         preemption_mode="swap", num_cpu_kv_blocks=8,
     )  # fmt: skip
     h = Harness(tiny_model, config)
-    older, newest = h.add(3, 8), h.add(3, 8)
+    # `later` would fit while `newest` is swapped out, but must wait for it to come back.
+    older, newest, later = h.add(3, 8), h.add(3, 8), h.add(1, 2)
     while not h.scheduler.swapped:
         assert not h.step().preempted or h.scheduler.swapped
     assert list(h.scheduler.swapped) == [newest] and newest.status == SequenceStatus.SWAPPED
@@ -104,7 +125,7 @@ def test_swap_keeps_a_victims_computed_tokens_and_brings_them_back(tiny_model):
         h.step()
     assert newest.num_computed_tokens == computed + 1  # back without recomputing anything
     h.drain()
-    assert older.num_output_tokens == newest.num_output_tokens == 8
+    assert older.num_output_tokens == newest.num_output_tokens == 8 and later.is_finished
 
 
 def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full(tiny_model):
