@@ -9,8 +9,8 @@ EOS, a stop token or max_tokens, freeing their KV slots for the next waiting req
 
 Invariant: after every step, `scheduler.check_invariants()` holds (tests call it each step).
 
-Phase 5: the engine owns a `BlockManager` instead of a slot allocator, and registers blocks that a
-step filled with computed tokens in the prefix cache.
+Phase 5: the engine's `BlockManager` is the paged one; blocks that a step filled with computed
+tokens are registered in the prefix cache, and blocks the scheduler swapped are copied first.
 """
 
 import itertools

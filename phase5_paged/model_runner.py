@@ -9,7 +9,8 @@ its end (a sequence still mid-prompt samples nothing).
 The runner owns the KV cache tensors and one `Sampler` per request (its seeded random stream
 survives preemption); it never decides who runs.
 
-Phase 5: slots come from block tables, and the block tables travel to attention in the batch.
+Phase 5: slots come from block tables, and the block tables travel to attention in the batch; a
+second, CPU-side KV pool holds the blocks of sequences preempted by swapping.
 """
 
 import torch
