@@ -80,15 +80,15 @@ class BlockManager:
         return seq.num_prompt_tokens + seq.params.max_tokens
 
     def can_allocate(self, num_tokens: int, watermark: int) -> bool:
-        """Room for a new sequence's first `num_tokens` tokens, plus `watermark` slots that the
+        """Room for `num_tokens` tokens of a new sequence, plus `watermark` slots that the
         running sequences keep for their next step?"""
         return self._place(num_tokens + watermark, num_tokens + watermark) is not None
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Gives `seq` a region holding its first `num_tokens` tokens. Precondition:
-        can_allocate(num_tokens, ...)."""
+        """Gives `seq` a region for all its current tokens, holding its first `num_tokens` (this
+        step's chunk). Precondition: can_allocate(seq.num_tokens, ...)."""
         assert seq.seq_id not in self.regions
-        region = self._place(num_tokens, max(num_tokens, self._max_len(seq)))
+        region = self._place(seq.num_tokens, self._max_len(seq))
         region.used = num_tokens
         self.regions[seq.seq_id] = region
 

@@ -14,10 +14,11 @@ When a running sequence cannot get KV room, the most recently admitted sequence 
 (LIFO, like an OOM killer picking the newest process): its cache is freed and it goes back to the
 front of the waiting queue, to be recomputed from scratch. A sequence alone in the pool always
 finds room (the block manager moves its region if it must), so it never preempts itself.
-Admission keeps a watermark: a newcomer is admitted only if, besides its own tokens, one slot per
-running sequence (the newcomer included) stays free, so the next decode step does not have to
-evict what this step took in. (vLLM keeps 1% of the cache free; one slot per sequence is what our
-small pools need.) After a preemption nobody is admitted in the same step: memory is short.
+Admission keeps a watermark: a newcomer is admitted only if there is room for all its tokens (not
+just this step's chunk) and, besides, one slot per running sequence (the newcomer included), so the
+next steps do not have to evict what this step took in. (vLLM keeps 1% of the cache free; one slot
+per sequence is what our small pools need.) After a preemption nobody is admitted in the same step:
+memory is short.
 
 Invariants (check_invariants): every running sequence has a KV region and no other sequence has
 one; running <= max_num_seqs; waiting sequences have num_computed_tokens == 0.
@@ -95,8 +96,12 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             num_new = self._num_new_tokens(seq.num_tokens, budget)
-            watermark = len(self.running) + 1  # one slot per sequence, the newcomer included
-            if num_new == 0 or not self.block_manager.can_allocate(num_new, watermark):
+            # One slot per running sequence and one for the newcomer; none if it will run alone:
+            # it then has the whole pool, and a request that fits the pool must always get in.
+            watermark = len(self.running) + 1 if self.running else 0
+            # Room for all its tokens, not just this step's chunk: admitted for a first chunk only,
+            # it would be evicted by its own next chunk, again and again.
+            if num_new == 0 or not self.block_manager.can_allocate(seq.num_tokens, watermark):
                 return  # first come, first served: nobody overtakes the head of the queue
             self.block_manager.allocate(seq, num_new)
             self.waiting.popleft()

@@ -6,7 +6,15 @@ type when the config is built (a bool is not a count, 2.5 is not a count either)
 naming the field, so a bad setting fails before any model is loaded or any step runs.
 """
 
+import enum
 from dataclasses import dataclass, fields
+
+
+class PreemptionMode(enum.Enum):
+    """What happens to a preempted sequence's KV blocks (vLLM's `preemption_mode`)."""
+
+    RECOMPUTE = "recompute"  # dropped; its tokens are prefilled again when it is readmitted
+    SWAP = "swap"  # copied to a CPU pool of `num_cpu_kv_blocks` blocks, and back when room returns
 
 
 @dataclass(frozen=True)
@@ -17,6 +25,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per block
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE  # a str is converted
+    num_cpu_kv_blocks: int = 0  # the CPU pool swapped-out blocks wait in (swap mode)
 
     @property
     def num_kv_slots(self) -> int:
@@ -27,8 +37,17 @@ class EngineConfig:
             value = getattr(self, field.name)
             if field.type is bool and not isinstance(value, bool):
                 raise TypeError(f"EngineConfig.{field.name} must be a bool, got {value!r}")
-            if field.type is int:  # every count here is at least 1
+            if field.type is int:
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"EngineConfig.{field.name} must be an int, got {value!r}")
-                if value < 1:
-                    raise ValueError(f"EngineConfig.{field.name} must be >= 1, got {value}")
+                minimum = 0 if field.name == "num_cpu_kv_blocks" else 1  # no CPU pool is valid
+                if value < minimum:
+                    raise ValueError(f"EngineConfig.{field.name} must be >= {minimum}, got {value}")
+        modes = [m.value for m in PreemptionMode]
+        if self.preemption_mode not in modes + list(PreemptionMode):
+            raise ValueError(
+                f"EngineConfig.preemption_mode must be one of {modes}, got {self.preemption_mode!r}"
+            )
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        if self.preemption_mode == PreemptionMode.SWAP and self.num_cpu_kv_blocks < 1:
+            raise ValueError("EngineConfig.num_cpu_kv_blocks must be >= 1 to swap")

@@ -9,7 +9,8 @@ its end (a sequence still mid-prompt samples nothing).
 The runner owns the KV cache tensors and one `Sampler` per request (its seeded random stream
 survives preemption); it never decides who runs.
 
-Phase 5: slots come from block tables, and the block tables travel to attention in the batch.
+Phase 5: slots come from block tables, and the block tables travel to attention in the batch; a
+second, CPU-side KV pool holds the blocks of sequences preempted by swapping.
 """
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from .attention import ForwardBatch
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, copy_blocks
 from .model import Qwen3ForCausalLM
 from .sampling import Sampler, sample_batch
 from .sequence import Sequence
@@ -33,6 +34,10 @@ class ModelRunner:
         self.kv_cache = KVCache(
             c.num_layers, config.num_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim,
             dtype, self.device,
+        )  # fmt: skip
+        self.cpu_kv_cache = KVCache(  # where swapped-out sequences' blocks wait
+            c.num_layers, config.num_cpu_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim,
+            dtype, "cpu",
         )  # fmt: skip
         self.samplers: dict[int, Sampler] = {}  # seq_id -> its sampler
 
@@ -79,6 +84,11 @@ class ModelRunner:
             if seq.seq_id not in self.samplers:
                 self.samplers[seq.seq_id] = Sampler(seq.params, self.device)
         return sample_batch(logits, [self.samplers[seq.seq_id] for seq in seqs])
+
+    def swap(self, blocks_to_swap_out, blocks_to_swap_in) -> None:
+        """Copies swapped blocks out to the CPU pool, then in to the GPU pool, before the step."""
+        copy_blocks(self.kv_cache, self.cpu_kv_cache, blocks_to_swap_out)
+        copy_blocks(self.cpu_kv_cache, self.kv_cache, blocks_to_swap_in)
 
     def release(self, seq: Sequence) -> None:
         self.samplers.pop(seq.seq_id, None)

@@ -79,9 +79,10 @@ class Harness:
     def step(self):
         running_before = list(self.scheduler.running)
         waiting_before = list(self.scheduler.waiting)
-        remaining = {id(s): s.num_tokens - s.num_computed_tokens for s in self.scheduler.running}
-        remaining |= {id(s): s.num_tokens for s in waiting_before}  # prefix hits may cut it
-        num_tokens = {id(s): s.num_tokens for s in running_before + waiting_before}
+        unfinished = [s for s in self.seqs if not s.is_finished]
+        # Uncomputed tokens (a prefix-cache hit may cut a waiting one's), and tokens in all.
+        remaining = {id(s): s.num_tokens - s.num_computed_tokens for s in unfinished}
+        num_tokens = {id(s): s.num_tokens for s in unfinished}
         self.engine.runner.last_scheduled = []
         self.engine.step()
         self.scheduler.check_invariants()
@@ -92,7 +93,7 @@ class Harness:
     def check_step(self, record, running_before, waiting_before, remaining, num_tokens) -> None:
         config, scheduler = self.config, self.scheduler
         scheduled = self.engine.runner.last_scheduled
-        if running_before or waiting_before:
+        if remaining:
             assert scheduled, "a step ran nothing"
         assert sum(n for _, n in scheduled) <= config.max_num_batched_tokens
         assert len(scheduler.running) <= config.max_num_seqs

@@ -102,8 +102,12 @@ def num_preemptions(trace: StepTrace) -> int:
 ENGINE_CONFIGS = {
     "default": EngineConfig(),
     **{f"chunks_of_{n}": EngineConfig(max_num_batched_tokens=n) for n in (1, 2, 3, 4)},
-    "heavy_preemption": EngineConfig(num_kv_slots=LONGEST),
-    "heavy_preemption_chunks_of_3": EngineConfig(num_kv_slots=LONGEST, max_num_batched_tokens=3),
+    # A little more room than the longest request: some run together, then one is preempted
+    # (with room for the longest alone, admission's watermark would run them one at a time).
+    "heavy_preemption": EngineConfig(num_kv_slots=LONGEST + 12),
+    "heavy_preemption_chunks_of_3": EngineConfig(
+        num_kv_slots=LONGEST + 12, max_num_batched_tokens=3
+    ),
     # Without chunking, a prompt runs whole or waits; the budget still fits the longest request.
     "no_chunked_prefill": EngineConfig(
         max_num_batched_tokens=LONGEST, enable_chunked_prefill=False

@@ -137,6 +137,20 @@ def test_admission_keeps_a_watermark_for_the_next_decode_step(tiny_model):
     assert first.num_output_tokens == 6 and second.num_output_tokens == 6
 
 
+def test_a_chunked_prompt_is_admitted_only_when_all_of_it_fits(tiny_model):
+    """Admitted for a first chunk that fits, a prompt that cannot fit whole beside the running
+    sequence would be evicted by its own later chunk, readmitted, evicted again: thrashing."""
+    h = Harness(tiny_model, EngineConfig(num_kv_slots=40, max_num_batched_tokens=8))
+    first = h.add(4, 16)  # its whole max length: [0, 20)
+    long = h.add(28, 1)  # 20 + 28 > 40, yet a first chunk of 7 tokens would fit
+    h.step()
+    while not first.is_finished:
+        h.step()
+        assert long.status == SequenceStatus.WAITING
+    h.drain()
+    assert sum(len(r.preempted) for r in h.trace.steps) == 0
+
+
 def test_abort_frees_the_region_and_the_others_finish(tiny_model):
     h = Harness(tiny_model, EngineConfig(num_kv_slots=40))
     seqs = [h.add(5, 8) for _ in range(4)]

@@ -118,9 +118,17 @@ ENGINE_CONFIGS = {
     "block_size_1": lambda prompts: {"block_size": 1},
     "block_size_7": lambda prompts: {"block_size": 7, "max_num_batched_tokens": 16},
     "no_prefix_caching": lambda prompts: {"enable_prefix_caching": False},
-    # Blocks for the longest request and a few more: admission (which keeps a watermark) lets
-    # several in, and their decodes outgrow the pool, so they are preempted and recomputed. With
-    # no spare block at all the scheduler admits one request at a time and never preempts.
+        try:
+            return self._run(out, start)
+        except BaseException:
+            for seq, _ in out.scheduled:
+                self.abort_request(seq.request_id)
+            raise
+
+    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+        self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+        # A step may run nothing (every running sequence was preempted); the trace still records
+        # it.
     "heavy_preemption": lambda prompts: {
         "block_size": 4,
         "num_kv_blocks": -(-longest_request(prompts) // 4) + 3,
