@@ -15,8 +15,8 @@ starts clean instead of failing the same way forever.
 
 Invariant: after every step, `scheduler.check_invariants()` holds (tests call it each step).
 
-Phase 5: the engine owns a `BlockManager` instead of a slot allocator, and registers blocks that a
-step filled with computed tokens in the prefix cache.
+Phase 5: the engine's `BlockManager` is the paged one; blocks that a step filled with computed
+tokens are registered in the prefix cache, and blocks the scheduler swapped are copied first.
 
 Phase 6: real text. `LLM("path/or/hub-id")` (or `LLM()`, the embedded SmolLM2) loads a checkpoint
 and its tokenizer; every request streams its tokens through an incremental detokenizer, stops at
@@ -122,8 +122,9 @@ class LLMEngine:
         self.eos_token_ids = tokenizer.eos_token_ids
         self.trace = trace
         self.block_manager = BlockManager(
-            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
+            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching,
+            self.config.num_cpu_kv_blocks,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config, self.block_manager)
         self.requests: dict[str, Request] = {}
@@ -208,7 +209,9 @@ class LLMEngine:
             raise
 
     def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
-        # The trace records every step, even one that scheduled nothing.
+        self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+        # A step may run nothing (every running sequence was preempted); the trace still records
+        # it.
         tokens = self.runner.run(out.scheduled) if out.scheduled else []
         updated, finished = [], []
         for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):

@@ -9,7 +9,8 @@ its end (a sequence still mid-prompt samples nothing).
 The runner owns the KV cache tensors and one `torch.Generator` per seeded request (its random
 stream survives preemption); it never decides who runs.
 
-Phase 5: slots come from block tables, and the block tables travel to attention in the batch.
+Phase 5: slots come from block tables, and the block tables travel to attention in the batch; a
+second, CPU-side KV pool holds the blocks of sequences preempted by swapping.
 
 Phase 7 (speed): on a GPU, phase 6 spent most of a decode step in Python and in launches: lists
 built token by token, new tensors every step, one sampler call and one host sync per request.
@@ -33,7 +34,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .cuda_graph import DecodeGraphs, decode_buckets
 from .distributed import send_step
-from .kv_cache import KVCache
+from .kv_cache import KVCache, copy_blocks
 from .model import Qwen3ForCausalLM
 from .sampling import SamplingBatch, sample_batch
 from .sequence import Sequence
@@ -165,6 +166,10 @@ class ModelRunner:
             c.num_layers, config.num_kv_blocks, config.block_size, model.num_kv_heads_per_rank,
             c.head_dim, dtype, self.device,
         )  # fmt: skip
+        self.cpu_kv_cache = KVCache(  # where swapped-out sequences' blocks wait
+            c.num_layers, config.num_cpu_kv_blocks, config.block_size, model.num_kv_heads_per_rank,
+            c.head_dim, dtype, "cpu",
+        )  # fmt: skip
         self.block_size = config.block_size
         # A block table never outgrows the model's context (the engine rejects longer requests).
         self.max_blocks = -(-min(c.max_position_embeddings, config.num_kv_slots) // self.block_size)
@@ -285,6 +290,11 @@ class ModelRunner:
             generator.manual_seed(seq.params.seed)
             self.generators[seq.seq_id] = generator
         return generator
+
+    def swap(self, blocks_to_swap_out, blocks_to_swap_in) -> None:
+        """Copies swapped blocks out to the CPU pool, then in to the GPU pool, before the step."""
+        copy_blocks(self.kv_cache, self.cpu_kv_cache, blocks_to_swap_out)
+        copy_blocks(self.cpu_kv_cache, self.kv_cache, blocks_to_swap_in)
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)

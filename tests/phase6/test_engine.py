@@ -118,17 +118,9 @@ ENGINE_CONFIGS = {
     "block_size_1": lambda prompts: {"block_size": 1},
     "block_size_7": lambda prompts: {"block_size": 7, "max_num_batched_tokens": 16},
     "no_prefix_caching": lambda prompts: {"enable_prefix_caching": False},
-        try:
-            return self._run(out, start)
-        except BaseException:
-            for seq, _ in out.scheduled:
-                self.abort_request(seq.request_id)
-            raise
-
-    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
-        self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
-        # A step may run nothing (every running sequence was preempted); the trace still records
-        # it.
+    # Blocks for the longest request and 3 more: several are admitted, then the newest are
+    # preempted and recomputed (with room for the longest alone, admission's watermark would
+    # run them one at a time, never preempting).
     "heavy_preemption": lambda prompts: {
         "block_size": 4,
         "num_kv_blocks": -(-longest_request(prompts) // 4) + 3,

@@ -118,9 +118,9 @@ ENGINE_CONFIGS = {
     "block_size_1": lambda prompts: {"block_size": 1},
     "block_size_7": lambda prompts: {"block_size": 7, "max_num_batched_tokens": 16},
     "no_prefix_caching": lambda prompts: {"enable_prefix_caching": False},
-    # Blocks for the longest request and a few more: admission (which keeps a watermark) lets
-    # several in, and their decodes outgrow the pool, so they are preempted and recomputed. With
-    # no spare block at all the scheduler admits one request at a time and never preempts.
+    # Blocks for the longest request and 3 more: several are admitted, then the newest are
+    # preempted and recomputed (with room for the longest alone, admission's watermark would
+    # run them one at a time, never preempting).
     "heavy_preemption": lambda prompts: {
         "block_size": 4,
         "num_kv_blocks": -(-longest_request(prompts) // 4) + 3,
