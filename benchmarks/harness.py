@@ -154,14 +154,17 @@ def window_medians(times: list[float], window: int) -> list[float]:
 
 
 def git_commit() -> str:
+    """The commit that ran. `MINI_VLLM_COMMIT` wins when set: a copied working tree (the GPU
+    box's) may carry a stale .git that would name an older commit."""
+    if os.environ.get("MINI_VLLM_COMMIT"):
+        return os.environ["MINI_VLLM_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # A copy without .git (e.g. the GPU box's working tree) can be told its commit.
-        return os.environ.get("MINI_VLLM_COMMIT", "unknown")
+        return "unknown"
 
 
 def environment() -> dict:

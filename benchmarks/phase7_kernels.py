@@ -16,9 +16,7 @@ Timing: triton.testing.do_bench, median, L2 flushed between repetitions.
 Run: python -m benchmarks.phase7_kernels [--out PATH] [--commit SHA]
 """
 
-import argparse
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +24,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from benchmarks.harness import RESULTS_DIR, write_result
+from benchmarks.harness import benchmark_parser, parse_args, write_result
 from phase7_optim.kernels import (
     flash_attn_varlen_paged,
     paged_decode_attention,
@@ -259,10 +257,11 @@ def summarize(results):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "phase7_kernels.json")
+    parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--commit", default=os.environ.get("MINI_VLLM_COMMIT"))
-    args = parser.parse_args()
+    args = parse_args(parser)
+    if not torch.cuda.is_available():
+        parser.exit(0, "phase7_kernels needs a CUDA GPU; nothing to measure here\n")
     torch.manual_seed(0)
     results = {
         "triton": triton.__version__,
@@ -289,6 +288,14 @@ def main():
     results["copy_bandwidth_GBps"] = copy_bandwidth_gbps()
     print("copy GB/s", results["copy_bandwidth_GBps"], flush=True)
     cache = PagedCache()
+    if args.quick:  # one decode and one prefill shape: checks the script, not the numbers
+        results["quick"] = True
+        results["decode_ms_batch8_ctx2048_bs16"] = bench_decode(cache, 8, 2048, 16)
+        results["prefill_tflops_1024"] = prefill_tflops(
+            1024, bench_prefill_ours(cache, 1024, 16, PREFILL_SWEEP[0])
+        )
+        save()
+        return
     run_decode(cache, results, results["copy_bandwidth_GBps"], save)
     run_prefill(cache, results, save)
     results["summary"] = summarize(results)

@@ -325,7 +325,7 @@ def main():
     )
     result["shortfall"] = shortfall_notes(result)
     result["workload"] = {
-        "w": f"{'first 64 requests of ' if args.quick else ''}workload W (SPEC-style seeded, "
+        "w": f"{'first 64 requests of ' if args.quick else ''}workload W (benchmarks/README.md, "
         f"nano-vllm's bench.py), temperature {TEMPERATURE}, ignore_eos, no seeds",
         "w_prompt_tokens": sum(len(r.prompt_ids) for r in w),
         "w_output_tokens": sum(r.max_tokens for r in w),

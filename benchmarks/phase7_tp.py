@@ -3,8 +3,8 @@
 Each run is one model shape at one tensor-parallel size, in its own process (so GPU memory and
 the process group start clean), with `load_format="dummy"` weights (random, built on each rank's
 shard: a 70B-parameter shape needs no checkpoint) in bf16:
-- throughput: a slice of workload W (SPEC's: nano-vllm's bench.py, seed 0, temperature 0.6,
-  ignore_eos), output tok/s including prefill;
+- throughput: a slice of workload W (benchmarks/README.md: nano-vllm's bench.py, seed 0,
+  temperature 0.6, ignore_eos), output tok/s including prefill;
 - single stream: one 512-token prompt, 256 new tokens, ms per output token;
 - decode step: B sequences of 16-token prompts decoding 64 tokens together, ms per step;
 - all-reduce share of that decode step: before the engine starts, the same ranks time the

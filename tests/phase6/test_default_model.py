@@ -49,7 +49,7 @@ def test_greedy_chat_reply_is_paris(smollm2, smollm2_hf, smollm2_dir, chat_ids):
         out = smollm2_hf.generate(chat_ids, max_new_tokens=MAX_REPLY_TOKENS, do_sample=False)
     assert_greedy_matches(smollm2.model, out, chat_ids.shape[1], ATOL)
     reply = Tokenizer.from_dir(smollm2_dir).decode(out[0, chat_ids.shape[1] :].tolist())
-    assert "Paris" in reply, reply  # SPEC: "The capital of France is Paris."
+    assert "Paris" in reply, reply  # the reply SmolLM2 gives with transformers too
 
 
 def test_missing_package_names_the_install_command(monkeypatch):
