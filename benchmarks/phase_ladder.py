@@ -28,14 +28,14 @@ the JSON records whether each matches the first phase run, and that reference's 
 top-1/top-2 logit margin in phase 0's model, so a real difference can be told from a near-tie.
 A phase that fails to import (a phase still being built) is skipped and the error recorded.
 
-`--device cuda`: phases 6-8 on workload W (SPEC-style, nano-vllm's bench.py) with Qwen3-0.6B
-shapes, random bf16 weights (benchmarks/phase6_qwen3_gpu.py's checkpoint) and W's temperature
-0.6; phases 1-5 only run TinyTransformer. The token budget is phase 6's GPU benchmark's, 512, for
-all three: the readable attention (phase 6's, on the GPU) gathers contexts into padded tensors
-that grow with it.
+`--device cuda`: phases 6-8 on workload W (benchmarks/README.md; nano-vllm's bench.py) with
+Qwen3-0.6B shapes, random bf16 weights (benchmarks/phase6_qwen3_gpu.py's checkpoint) and W's
+temperature 0.6; phases 1-5 only run TinyTransformer. The token budget is phase 6's GPU
+benchmark's, 512, for all three: the readable attention (phase 6's, on the GPU) gathers contexts
+into tensors that grow with it.
 
-Run: python -m benchmarks.phase_ladder [--phases 1 2 ...] [--quick] [--device cuda]
-     [--threads 2] [--out FILE]   (writes results/phase_ladder_<device>.json and .png)
+Run: python -m benchmarks.phase_ladder [--phases 1 2 ...] [--device cuda] [--quick] [--threads 2]
+     [--out DIR]   (phase_ladder_<device>.json and .png; `--out benchmarks/results` publishes)
 """
 
 import os
@@ -45,7 +45,6 @@ import os
 # (measured: phase 4 on the --quick workload, 6.8 tok/s spinning vs 731 passive, load ~10).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
@@ -61,12 +60,13 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from benchmarks.harness import (  # noqa: E402
-    RESULTS_DIR,
+    W_TEMPERATURE,
     Request,
     Timer,
-    add_thread_arg,
+    benchmark_parser,
+    parse_args,
     seeded_workload,
-    set_threads,
+    workload_w,
     write_result,
 )
 
@@ -93,7 +93,6 @@ MODEL = {  # TinyTransformer's ModelConfig; phase 5's benchmark model
 }
 WEIGHT_SEED = 0
 CHECK_PROMPTS, CHECK_PROMPT_LEN, CHECK_TOKENS = 2, 16, 16  # the equivalence check's greedy decode
-W_TEMPERATURE = 0.6  # workload W's
 # Phases 5-8: the requests share no prefix, and with the cache on a repeated run would find the
 # previous run's blocks and skip its prefill.
 ENABLE_PREFIX_CACHING = False
@@ -135,8 +134,9 @@ def cpu_setup(quick: bool) -> Setup:
 
 def gpu_setup(quick: bool) -> Setup:
     n, cap = (16, 64) if quick else (256, None)
-    full_w = seeded_workload(0, 256, (100, 1024), (100, 1024), 10001)  # workload W
-    workload = [Request(r.prompt_ids, min(r.max_tokens, cap or r.max_tokens)) for r in full_w[:n]]
+    workload = [
+        Request(r.prompt_ids, min(r.max_tokens, cap or r.max_tokens)) for r in workload_w()[:n]
+    ]
     return Setup(
         description=f"first {n} requests of workload W"
         + (f", outputs capped at {cap}" if cap else "")
@@ -339,7 +339,7 @@ def prepare_weights(phases: list[int], directory: Path, gpu: bool):
     return model.state_dict(), save_llama_checkpoint(model, directory, qwen3_tokenizer_dir())
 
 
-def run_ladder(args, setup: Setup, out: Path) -> dict:
+def run_ladder(args, setup: Setup, name: str) -> dict:
     gpu = args.device == "cuda"
     check = [
         Request(r.prompt_ids[:CHECK_PROMPT_LEN], CHECK_TOKENS)
@@ -362,6 +362,7 @@ def run_ladder(args, setup: Setup, out: Path) -> dict:
             "torch_threads": torch.get_num_threads(),
             "device": args.device,
         },
+        "quick": args.quick,
         "model": "random Qwen3-0.6B shapes, bf16" if gpu else {**MODEL, "seed": WEIGHT_SEED},
         "check": {"prompts": len(check), "prompt_len": CHECK_PROMPT_LEN, "tokens": CHECK_TOKENS},
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
@@ -385,7 +386,7 @@ def run_ladder(args, setup: Setup, out: Path) -> dict:
                 reference = reference or (phase, outputs)
             result["phases"][str(phase)] = entry
             result["load_average_after"] = os.getloadavg()
-            write_result("phase_ladder", result, out)  # after every phase: a crash keeps the rest
+            write_result(name, result, args.out)  # after every phase: a crash keeps the rest
     if reference is not None and state is not None:
         margin = check_margin(state, [r.prompt_ids for r in check], reference[1])
         result["check"]["reference_phase"] = reference[0]
@@ -478,7 +479,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main():
-    parser = add_thread_arg(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = benchmark_parser(__doc__)
     parser.add_argument(
         "--phases",
         type=int,
@@ -488,26 +489,21 @@ def main():
         help="phases to run (default: 1-8 on cpu, 6-8 on cuda)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--quick", action="store_true", help="a small workload, for a smoke test")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes beside")
-    args = parser.parse_args()
+    args = parse_args(parser)
     gpu = args.device == "cuda"
     args.phases = args.phases or (list(CHECKPOINT_PHASES) if gpu else sorted(PHASES))
     if gpu and not torch.cuda.is_available():
-        raise SystemExit("--device cuda needs a CUDA GPU")
+        parser.error("--device cuda needs a CUDA GPU")
     if gpu and any(p not in CHECKPOINT_PHASES for p in args.phases):
-        raise SystemExit("--device cuda runs phases 6-8 only (phases 1-5 run TinyTransformer)")
-    set_threads(args.threads)
+        parser.error("--device cuda runs phases 6-8 only (phases 1-5 run TinyTransformer)")
     setup = gpu_setup(args.quick) if gpu else cpu_setup(args.quick)
     name = f"phase_ladder_{args.device}"
-    scratch = Path(tempfile.gettempdir()) / f"{name}_quick.json"
-    out = args.out or (scratch if args.quick else RESULTS_DIR / f"{name}.json")
     start = time.perf_counter()
-    result = run_ladder(args, setup, out)
+    result = run_ladder(args, setup, name)
     result["total_seconds"] = time.perf_counter() - start
-    write_result("phase_ladder", result, out)
-    plot(result, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')} ({result['total_seconds']:.0f} s)")
+    path = write_result(name, result, args.out)
+    plot(result, args.out / f"{name}.png")
+    print(f"wrote {path} and {name}.png beside it ({result['total_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":
