@@ -128,7 +128,7 @@ def cpu_setup(quick: bool) -> Setup:
         max_num_seqs=n,
         max_num_batched_tokens=512,
         temperature=0.0,
-        repeats=1 if quick else 2,
+        repeats=1 if quick else 3,
     )
 
 
