@@ -62,7 +62,7 @@ def build(mod, state):
 
 def kv_stats(engine) -> tuple[int, int]:
     """(tokens stored, slots reserved): phase 4's slot regions or phase 5's blocks."""
-    pool = getattr(engine, "block_manager", None) or engine.scheduler.allocator
+    pool = engine.block_manager
     return pool.num_used_slots, pool.num_reserved_slots
 
 

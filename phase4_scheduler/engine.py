@@ -174,8 +174,8 @@ class LLMEngine:
 
     def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
         self.runner.kv_cache.move(out.kv_moves)
-        # A step may run nothing (a lone sequence preempted itself to restart in a roomier region);
-        # the trace still records it.
+        # A step may run nothing (every running sequence was preempted); the trace still records
+        # it.
         tokens = self.runner.run(out.scheduled) if out.scheduled else []
         updated, finished = [], []
         for (seq, num_new), token in zip(out.scheduled, tokens, strict=True):

@@ -42,8 +42,10 @@ def expected(model) -> list[list[int]]:
 
 
 def assert_recovered(llm: LLM, expected) -> None:
-    allocator = llm.engine.scheduler.allocator
-    assert_engine_recovered(llm, PROMPTS, GREEDY, expected, lambda: allocator.num_reserved_slots)
+    block_manager = llm.engine.block_manager
+    assert_engine_recovered(
+        llm, PROMPTS, GREEDY, expected, lambda: block_manager.num_reserved_slots
+    )
 
 
 # The reproductions: each once passed construction and failed inside a later step.
@@ -157,7 +159,7 @@ def test_failed_step_aborts_what_it_ran_and_the_rest_continues(model, expected, 
     monkeypatch.undo()
     assert ran not in engine.requests and engine.requests[waited].seq in engine.scheduler.waiting
     engine.scheduler.check_invariants()
-    assert engine.scheduler.allocator.num_reserved_slots == 0
+    assert engine.block_manager.num_reserved_slots == 0
     done = {}
     while engine.has_unfinished_requests():
         done |= {out.request_id: out for out in engine.step() if out.finished}
