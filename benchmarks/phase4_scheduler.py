@@ -100,7 +100,7 @@ def decode_stall(model, chunked: bool, long_prompt: int) -> tuple[dict, phase4_s
             max_num_batched_tokens=budget, enable_chunked_prefill=False
         )
     trace = phase4_scheduler.StepTrace()
-    engine = phase4_scheduler.LLMEngine(model, config, trace=trace)
+    engine = phase4_scheduler.LLMEngine(model, config=config, trace=trace)
     decoders = [
         engine.add_request([1 + i] * DECODER_PROMPT, greedy(phase4_scheduler, DECODER_TOKENS))
         for i in range(NUM_DECODERS)

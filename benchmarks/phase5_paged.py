@@ -105,13 +105,13 @@ def utilization(state, distribution: str, num_requests: int) -> dict:
     engines = {
         "phase4_scheduler": (
             p4,
-            p4.LLMEngine(build(p4, state), p4.EngineConfig(num_kv_slots=KV_SLOTS, **common)),
+            p4.LLMEngine(build(p4, state), config=p4.EngineConfig(num_kv_slots=KV_SLOTS, **common)),
         ),
         "phase5_paged": (
             p5,
             p5.LLMEngine(
                 build(p5, state),
-                p5.EngineConfig(
+                config=p5.EngineConfig(
                     num_kv_blocks=KV_SLOTS // BLOCK_SIZE,
                     block_size=BLOCK_SIZE,
                     enable_prefix_caching=False,
@@ -162,7 +162,7 @@ def prefix_caching(state, num_requests: int) -> dict:
     results = {}
     for caching in (False, True):
         config = p5.EngineConfig(max_num_seqs=num_requests, enable_prefix_caching=caching)
-        engine = p5.LLMEngine(build(p5, state), config, trace=p5.StepTrace())
+        engine = p5.LLMEngine(build(p5, state), config=config, trace=p5.StepTrace())
         r = drive(engine, p5, prompts, [SHARED_OUTPUT] * len(prompts))
         bm = engine.block_manager
         computed = sum(sum(s.prefill.values()) for s in engine.trace.steps)

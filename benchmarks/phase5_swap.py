@@ -57,7 +57,7 @@ def unit_costs(model, prompt_len: int, repeats: int) -> dict:
     )  # fmt: skip
     prefill, swap = [], []
     for _ in range(repeats):
-        engine = phase5_paged.LLMEngine(model, config)
+        engine = phase5_paged.LLMEngine(model, config=config)
         engine.add_request(list(range(prompt_len)), phase5_paged.SamplingParams(max_tokens=1))
         with Timer() as t:
             engine.step()  # the whole prompt in one step: what a recompute costs
@@ -94,7 +94,7 @@ def end_to_end(model, prompt_len: int, num_requests: int, mode: str) -> tuple[di
         preemption_mode=mode, num_cpu_kv_blocks=num_requests * longest if mode == "swap" else 0,
     )  # fmt: skip
     trace = phase5_paged.StepTrace()
-    engine = phase5_paged.LLMEngine(model, config, trace=trace)
+    engine = phase5_paged.LLMEngine(model, config=config, trace=trace)
     swapped_blocks = 0
     ids = [
         engine.add_request(r.prompt_ids, phase5_paged.SamplingParams(temperature=0.0,

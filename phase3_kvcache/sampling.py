@@ -94,6 +94,7 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
     drop_sorted = mass_before >= p  # the nucleus was already complete without this token
+    drop_sorted[..., 0] = False  # the top token stays even if p rounds to 0 in float32
     return drop_sorted.scatter(-1, order, drop_sorted)
 
 

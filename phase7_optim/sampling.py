@@ -142,6 +142,7 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
     drop_sorted = mass_before >= p  # the nucleus was already complete without this token
+    drop_sorted[..., 0] = False  # the top token stays even if p rounds to 0 in float32
     return drop_sorted.scatter(-1, order, drop_sorted)
 
 
@@ -233,7 +234,9 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
     sorted_probs = sorted_probs.masked_fill(rank[None, :] >= top_k[:, None], 0.0)
     kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # strictly more likely tokens
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None] * kept_mass, 0.0)
+    outside = mass_before >= top_p[:, None] * kept_mass
+    outside[:, 0] = False  # the top token stays even if top_p * kept_mass rounds to 0
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 

@@ -54,7 +54,7 @@ class Harness:
     def __init__(self, phase, runner_cls, model, config):
         self.phase, self.config = phase, config
         self.trace = phase.StepTrace()
-        self.engine = phase.LLMEngine(model, config, trace=self.trace)
+        self.engine = phase.LLMEngine(model, config=config, trace=self.trace)
         self.engine.runner = runner_cls(model, config, self.engine.block_manager)
         self.seqs: list = []
 
@@ -69,7 +69,7 @@ class Harness:
         request_id = self.engine.add_request(
             prompt, self.phase.SamplingParams(max_tokens=max_tokens)
         )
-        self.seqs.append(self.engine.requests[request_id][0])
+        self.seqs.append(self.engine.requests[request_id].seq)
         return self.seqs[-1]
 
     def abort(self, seq) -> None:

@@ -224,3 +224,12 @@ def test_limits_are_accepted():
     SamplingParams(temperature=1e-5, seed=2**64 - 1, top_k=1, top_p=1e-9, min_p=1.0)
     sampler = Sampler(SamplingParams(temperature=1e-5, seed=2**64 - 1))
     assert sampler(LOGITS * 1e3) == 1  # the smallest temperature: finite, all mass on the top
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
+    # 1e-50 is a valid top_p (> 0) but 0 in float32: the nucleus must still hold the top token,
+    # or every token is masked and the draw is NaN.
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert top_p_mask(logits, 1e-50).tolist() == [[False, True, True, True]]
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=1e-50, seed=0))
+    assert sampler(logits[0]) == 0

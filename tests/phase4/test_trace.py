@@ -17,7 +17,7 @@ def model():
 
 def traced(model, config: EngineConfig, requests: list[tuple[list[int], int]]) -> StepTrace:
     trace = StepTrace()
-    engine = LLMEngine(model, config, trace=trace)
+    engine = LLMEngine(model, config=config, trace=trace)
     for prompt, max_tokens in requests:
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     while engine.has_unfinished_requests():

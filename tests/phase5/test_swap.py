@@ -47,7 +47,7 @@ def model():
 def run(model, config: EngineConfig) -> tuple[list[list[int]], int, bool]:
     """(token ids per request, preemptions, whether anything was ever swapped out)."""
     trace = StepTrace()
-    engine = LLMEngine(model, config, trace=trace)
+    engine = LLMEngine(model, config=config, trace=trace)
     ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS, strict=True)]
     done, swapped = {}, False
     while engine.has_unfinished_requests():

@@ -142,3 +142,11 @@ def test_gpu_sampled_distribution_through_the_kernel(temperature):
     tokens = draw(params, LOGITS.expand(2 * ROWS, VOCAB).cuda().bfloat16()).cpu()
     assert (tokens[1::2] == 1).all()  # greedy rows
     assert chi_square_ok(counts_of(tokens[0::2]), expected)
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
+    # top_p = 1e-50 passes validation (> 0) but is 0 in float32: the top token must survive.
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    params = [SamplingParams(temperature=1.0, top_p=1e-50)] * 2
+    batch = SamplingBatch.build(params, [None, None], logits.shape[-1], logits.device)
+    assert sample_batch(logits, batch).tolist() == [0, 1]
