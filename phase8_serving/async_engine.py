@@ -15,7 +15,11 @@ Invariants:
   its own `ValueError` (the server answers 400) before any response starts, and nothing changes;
 - a request whose stream is closed before it finished is aborted: its KV blocks are freed by the
   engine thread's next command drain, which happens before its next step;
-- if a step raises, every request in flight gets that error and is aborted; the loop goes on.
+- if a step raises, every request in flight gets that error and is aborted; the loop goes on;
+- on a GPU, phase 7's CUDA graphs were captured when the engine was built, before this thread
+  exists; the thread makes the engine's GPU its current device, so its replays, kernels, copies
+  and tensor-parallel broadcasts all go to that GPU's default stream, as they would in the
+  thread that built the engine (nothing here creates a stream).
 """
 
 import asyncio
@@ -25,6 +29,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from .engine import LLMEngine, RequestOutput
 from .metrics import EngineMetrics, EngineStats
@@ -143,6 +149,8 @@ class AsyncLLM:
     # -- the engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.engine.runner.device.type == "cuda":
+            torch.cuda.set_device(self.engine.runner.device)  # a new thread starts on GPU 0
         while True:
             busy = self.engine.has_unfinished_requests()
             try:
@@ -211,7 +219,8 @@ class AsyncLLM:
         engine, bm = self.engine, self.engine.block_manager
         self.stats = EngineStats(
             num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
+            # swapped-out requests (phase 5) wait too, with their KV blocks on the CPU
+            num_waiting=len(engine.scheduler.waiting) + len(engine.scheduler.swapped),
             kv_cache_usage=bm.num_used_blocks / len(bm.blocks),
             prefix_cache_queries=bm.num_queried_tokens,
             prefix_cache_hits=bm.num_hit_tokens,

@@ -14,28 +14,56 @@ Phase 4: no more padded (B, T) batches. One step runs the new tokens of many seq
 into one (N,) vector (some sequences prefill a chunk, most decode one token). A `ForwardBatch`
 says where each sequence's tokens start, how long its context is, and which cache slots hold it;
 attention writes the new keys/values through `slot_mapping`, then each query reads its own
-sequence's context from the shared slot pool.
+sequence's context from the shared slot pool. Attention is varlen: no sequence is padded to the
+step's longest query, so a step costs the sum of q_len * seq_len over its sequences, not
+S * max_query_len * max_seq_len.
 
 Phase 5: the pool is cut into blocks, and a sequence's context is found through its block table
 instead of one contiguous region: position p lives in block block_table[p // block_size] at offset
-p % block_size. `context_attention` is the paged attention reference that phase 7's kernels are
-checked against.
+p % block_size. `context_attention` gathers each sequence's context through its block table: the
+readable paged attention, and the CPU path of every later phase.
 
 Phase 6 (real checkpoints): Qwen3 RMS-normalizes every head's query and key (`q_norm`, `k_norm`,
 one gain vector of size head_dim shared by all heads) before RoPE, which keeps attention logits
 from growing with depth. Llama-family models have no such norm; for them the two modules are
 `nn.Identity`, so their state dict has no q_norm/k_norm keys and checkpoints load name for name.
+
+Phase 7 (speed): `context_attention` copies every context out of the paged cache and writes the
+full score matrix to memory before the softmax reads it back; on a GPU that traffic, not
+arithmetic, is the cost (plus one launch per step shape, no graphs). An attention
+backend is chosen once per KV cache (`select_attention_backend`): on CUDA the Triton kernels
+(kernels/) write K/V with `store_kvcache` and read them in place, through the varlen paged
+FlashAttention kernel when any sequence brings more than one new token (prefill, mixed steps) and
+the paged decode kernel when every sequence brings exactly one (decode-only steps, the ones CUDA
+graphs replay); elsewhere `TorchAttention`, the readable path above. Like cache blocking in a
+matrix multiply: tiles that fit on chip are reused instead of streaming intermediates through
+memory.
+
+Conventions the kernels take as they are (no adapter in between): every integer tensor of a
+`ForwardBatch` is `METADATA_DTYPE` (int32); a padded row, used only to fill a CUDA graph's fixed
+batch, has slot_mapping PAD_SLOT_ID (-1: nothing is written) and seq_len 0 (nothing is read, its
+output is 0); block-table entries past a sequence's last block are never read.
 """
 
-import math
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import KVCache
+from .distributed import SINGLE_RANK, TensorParallel
+from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
+
+if TYPE_CHECKING:  # kv_cache.py picks its backend from this file
+    from .kv_cache import KVCache
+
+METADATA_DTYPE = torch.int32  # slots, lengths and block ids of a ForwardBatch
+PAD_SLOT_ID = -1  # slot_mapping entry of a padded row: the KV-store kernel writes nothing for it
 
 
 @dataclass
@@ -52,44 +80,152 @@ class ForwardBatch:
     max_seq_len: int
     block_size: int
 
+    @cached_property
+    def attention_groups(self) -> list["AttentionGroup"]:
+        """How attention splits this step (see `AttentionGroup`); planned on first use, then
+        shared by every layer."""
+        return plan_attention_groups(self)
 
-def context_slots(batch: ForwardBatch) -> torch.Tensor:
-    """(S, L) cache slot of every context position, L = max_seq_len (padding slots clamp to 0)."""
-    positions = torch.arange(batch.max_seq_len, device=batch.seq_lens.device)
-    blocks = batch.block_tables[:, positions // batch.block_size]  # (S, L): the page-table walk
-    slots = blocks * batch.block_size + positions[None, :] % batch.block_size
-    return torch.where(positions[None, :] < batch.seq_lens[:, None], slots, 0)
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """s sequences with q_len new tokens each, attended in one call.
+
+    Decodes (q_len 1) form one group, their contexts padded to the longest: O(s * L). A sequence
+    with several new tokens (a prompt chunk) is a group of its own, so no query is ever padded.
+    """
+
+    tokens: torch.Tensor | slice  # the group's s * q_len new tokens in the packed batch
+    slots: torch.Tensor  # (s, L) cache slot of each context position (padding: slot 0)
+    visible: torch.Tensor  # (s, q_len, L) bool: which context positions each query sees
+
+
+def context_slots(batch: ForwardBatch, seqs: torch.Tensor | slice, length: int) -> torch.Tensor:
+    """(s, length) cache slot of context positions 0..length-1 of the sequences `seqs` (an index
+    tensor or a slice of the batch). Positions at or past a sequence's seq_len clamp to slot 0:
+    read, then hidden by the mask."""
+    positions = torch.arange(length, device=batch.seq_lens.device)
+    blocks = batch.block_tables[seqs][:, positions // batch.block_size]  # the page-table walk
+    slots = blocks * batch.block_size + positions % batch.block_size
+    return torch.where(positions < batch.seq_lens[seqs, None], slots, 0)
+
+
+def causal_mask(query_pos: torch.Tensor, length: int) -> torch.Tensor:
+    """query_pos (s, Q) -> (s, Q, length): a query sees the keys at positions <= its own, which
+    also hides the padding past its sequence's end."""
+    return torch.arange(length, device=query_pos.device) <= query_pos[..., None]
+
+
+def plan_attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
+    """All decodes (q_len 1) in one group, then each sequence with several new tokens alone."""
+    starts = batch.query_start_loc.tolist()  # host ints, read once per step
+    seq_lens = batch.seq_lens.tolist()
+    q_lens = [end - start for start, end in pairwise(starts)]
+    decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    groups = [decode_group(batch, decodes, max(seq_lens[i] for i in decodes))] if decodes else []
+    for i, q_len in enumerate(q_lens):
+        if q_len > 1:
+            groups.append(chunk_group(batch, i, slice(starts[i], starts[i + 1]), seq_lens[i]))
+    return groups
+
+
+def decode_group(batch: ForwardBatch, decodes: list[int], length: int) -> AttentionGroup:
+    """One new token per sequence, at its newest position; contexts padded to `length`."""
+    seqs = torch.tensor(decodes, dtype=torch.long, device=batch.seq_lens.device)
+    query_pos = batch.seq_lens[seqs, None] - 1  # (s, 1)
+    slots = context_slots(batch, seqs, length)
+    return AttentionGroup(batch.query_start_loc[seqs], slots, causal_mask(query_pos, length))
+
+
+def chunk_group(batch: ForwardBatch, i: int, tokens: slice, seq_len: int) -> AttentionGroup:
+    """Sequence i's new tokens are the last q_len of its seq_len positions."""
+    q_len = tokens.stop - tokens.start
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=batch.seq_lens.device)[None]
+    slots = context_slots(batch, slice(i, i + 1), seq_len)
+    return AttentionGroup(tokens, slots, causal_mask(query_pos, seq_len))
+
+
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache: (num_blocks, block_size, H_kv, D), slots: (s, L) -> (s, H_kv, L, D)."""
+    flat = cache.flatten(0, 1)  # (num_slots, H_kv, D): slot s is [s // block_size, s % block_size]
+    # index_select, not flat[slots]: the same rows, many times faster on CPU.
+    rows = flat.index_select(0, slots.flatten()).view(*slots.shape, *flat.shape[1:])
+    return rows.transpose(1, 2)
 
 
 def context_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
 ) -> torch.Tensor:
-    """Readable reference. q: (N, H, D); caches: (num_blocks, block_size, H_kv, D) -> (N, H, D).
+    """Readable varlen paged attention. q: (N, H, D); caches: (num_blocks, block_size, H_kv, D)
+    -> (N, H, D).
 
-    Gathers each sequence's context into a padded (S, L) batch and pads its queries to
-    (S, max_query_len): memory O(S * L), fine for teaching; phase 7 replaces it with kernels.
+    A step costs the sum of q_len * seq_len over its sequences (decodes padded to the longest
+    decode context), never S * max_query_len * max_seq_len.
     """
-    S, Q, L = batch.seq_lens.shape[0], batch.max_query_len, batch.max_seq_len
-    q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    token_seq = torch.repeat_interleave(torch.arange(S, device=q.device), q_lens)  # (N,)
-    token_col = torch.arange(q.shape[0], device=q.device) - batch.query_start_loc[token_seq]
-    q_pad = q.new_zeros(S, Q, *q.shape[1:])
-    q_pad[token_seq, token_col] = q
-    slots = context_slots(batch)
-    k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # (S, H_kv, L, D)
-    v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # each KV head serves `group` query heads
-    v = v.repeat_interleave(group, dim=1)
-    scores = (q_pad.transpose(1, 2) @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (S,H,Q,L)
-    # New tokens are the last q_len of their sequence: column j sits at position
-    # seq_len - q_len + j, and sees keys at positions <= its own.
-    query_pos = (batch.seq_lens - q_lens)[:, None] + torch.arange(Q, device=q.device)[None, :]
-    key_pos = torch.arange(L, device=q.device)
-    hidden = key_pos[None, None, :] > query_pos[:, :, None]  # (S, Q, L)
-    scores = scores.masked_fill(hidden[:, None], float("-inf"))
-    out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v  # (S, H, Q, D)
-    return out.transpose(1, 2)[token_seq, token_col]
+    out = torch.empty_like(q)
+    for group in batch.attention_groups:
+        s, q_len, _ = group.visible.shape
+        k, v = gather(k_cache, group.slots), gather(v_cache, group.slots)  # (s, H_kv, L, D)
+        q_group = q[group.tokens].view(s, q_len, *q.shape[1:]).transpose(1, 2)  # (s, H, Q, D)
+        # enable_gqa: each KV head serves its group of query heads, without copying it.
+        o = F.scaled_dot_product_attention(
+            q_group, k, v, attn_mask=group.visible[:, None], enable_gqa=True
+        )
+        out[group.tokens] = o.transpose(1, 2).flatten(0, 1)
+    return out
+
+
+class TorchAttention:
+    """The readable path (CPU, and the oracle on a GPU): phase 6's store and context_attention."""
+
+    def __call__(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        k_cache.flatten(0, 1)[batch.slot_mapping] = k  # (num_blocks * block_size, H_kv, D) view
+        v_cache.flatten(0, 1)[batch.slot_mapping] = v
+        return context_attention(q, k_cache, v_cache, batch)
+
+
+class TritonAttention:
+    """The CUDA path: the kernels read the paged cache in place; no host sync, so a decode step
+    can be captured in a CUDA graph."""
+
+    def __init__(self):
+        # Imported here, not at the top: CPU-only installs (macOS, Windows) may have no Triton.
+        from . import kernels
+
+        self.kernels = kernels
+
+    def __call__(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        self.kernels.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        scale = q.shape[-1] ** -0.5
+        if batch.max_query_len == 1:  # decode-only step: one query per sequence
+            return self.kernels.paged_decode_attention(
+                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale
+            )
+        return self.kernels.flash_attn_varlen_paged(
+            q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            batch.max_query_len, scale,
+        )  # fmt: skip
+
+
+AttentionBackend = TorchAttention | TritonAttention
+
+
+def select_attention_backend(device: torch.device) -> AttentionBackend:
+    """The one place the backend is chosen: Triton kernels on CUDA, torch elsewhere."""
+    return TritonAttention() if device.type == "cuda" else TorchAttention()
+
+
+def norm_and_rotate(
+    x: torch.Tensor, norm: nn.Module, rotary: RotaryEmbedding, positions: torch.Tensor
+) -> torch.Tensor:
+    """Per-head RMSNorm (nn.Identity for Llama), then RoPE. On CUDA one fused kernel does both
+    (kernels/fused.py) instead of some fifteen small ones."""
+    if x.is_cuda:
+        from .kernels.fused import qk_norm_rope  # here: CPU-only installs may lack Triton
+
+        weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, 0.0)
+        return qk_norm_rope(x, weight, rotary.cos, rotary.sin, positions, eps)
+    return rotary(norm(x), positions)
 
 
 class Attention(nn.Module):
@@ -103,17 +239,17 @@ class Attention(nn.Module):
         layer_idx: int,
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
+        tp: TensorParallel = SINGLE_RANK,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        # Tensor parallelism (linear.py): this rank's heads only; o_proj all-reduces the heads.
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, tp)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, tp)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else nn.Identity()
         self.rotary = rotary
@@ -124,14 +260,15 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         batch: ForwardBatch,
-        kv_cache: KVCache,
+        kv_cache: "KVCache",
     ) -> torch.Tensor:
         N = x.shape[0]
-        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE (Qwen3)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
-        kv_cache.store(self.layer_idx, k, v, batch.slot_mapping)
-        out = context_attention(q, kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx], batch)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        q = q.view(N, self.num_heads, self.head_dim)
+        k = k.view(N, self.num_kv_heads, self.head_dim)
+        v = v.view(N, self.num_kv_heads, self.head_dim)
+        q = norm_and_rotate(q, self.q_norm, self.rotary, positions)  # norm per head (Qwen3)
+        k = norm_and_rotate(k, self.k_norm, self.rotary, positions)
+        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
+        out = kv_cache.attention_backend(q, k, v, k_cache, v_cache, batch)
         return self.o_proj(out.reshape(N, -1))

@@ -43,7 +43,12 @@ class BenchRequest:
 
 
 def random_dataset(
-    num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    token_id_limit: int = RANDOM_TOKEN_ID_LIMIT,
 ) -> list[BenchRequest]:
     """Prompts of random token ids, lengths uniform in [len * (1 - ratio), len * (1 + ratio)].
 
@@ -52,6 +57,8 @@ def random_dataset(
     """
     if not 0 <= range_ratio < 1:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    if token_id_limit < 1:
+        raise ValueError(f"--random-token-id-limit must be >= 1, got {token_id_limit}")
     rng = random.Random(seed)
 
     def length(mean: int) -> int:
@@ -59,9 +66,7 @@ def random_dataset(
 
     return [
         BenchRequest(
-            prompt_ids=[
-                rng.randint(0, RANDOM_TOKEN_ID_LIMIT - 1) for _ in range(length(input_len))
-            ],
+            prompt_ids=[rng.randint(0, token_id_limit - 1) for _ in range(length(input_len))],
             max_tokens=length(output_len),
         )
         for _ in range(num_prompts)
@@ -268,7 +273,7 @@ def plot_serve(runs: list[dict], path: Path) -> None:
 def run_serve(args) -> dict:
     requests = random_dataset(
         args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-        args.seed,
+        args.seed, args.random_token_id_limit,
     )  # fmt: skip
     runs = []
     for rate in args.request_rate:
@@ -316,8 +321,9 @@ def run_throughput(args, make_llm) -> dict:
     from .sampling import SamplingParams
 
     requests = random_dataset(
-        args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed
-    )
+        args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed,
+        args.random_token_id_limit,
+    )  # fmt: skip
     llm = make_llm(args)
     params = [
         SamplingParams(temperature=args.temperature, max_tokens=r.max_tokens, ignore_eos=True)
@@ -353,7 +359,7 @@ def run_latency(args, make_llm) -> dict:
 
     rng = random.Random(args.seed)
     prompts = [
-        [rng.randint(0, RANDOM_TOKEN_ID_LIMIT - 1) for _ in range(args.input_len)]
+        [rng.randint(0, args.random_token_id_limit - 1) for _ in range(args.input_len)]
         for _ in range(args.batch_size)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -400,6 +406,10 @@ def add_bench_parser(subparsers, add_engine_args) -> None:
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--temperature", type=float, default=0.6, help="workload W's")
     common.add_argument("--out", help="JSON file or directory (default: a scratch directory)")
+    common.add_argument(
+        "--random-token-id-limit", type=int, default=RANDOM_TOKEN_ID_LIMIT,
+        help="prompt token ids are drawn below this (keep it within the model's vocabulary)",
+    )  # fmt: skip
 
     throughput = kinds.add_parser("throughput", parents=[common], help="offline tok/s")
     add_engine_args(throughput)

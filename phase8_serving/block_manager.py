@@ -17,10 +17,17 @@ keeps its contents and hash, and is reused only when the free queue reaches it
 (least recently freed first: LRU eviction). The stored parent hash and tokens are compared on
 every hit, so a hash collision can never hand a request someone else's keys/values.
 
+Swap (vLLM's preemption_mode="swap"): a preempted sequence's blocks can be copied to a second,
+CPU-side pool instead of being dropped; `swap_out` returns the (GPU block, CPU block) copies to make
+and frees the GPU blocks, `swap_in` later gives the sequence fresh GPU blocks and returns the
+(CPU block, GPU block) copies back. Swapped-in blocks are private until `cache_full_blocks`
+registers them again. Like paging to disk when RAM runs out, instead of killing the process.
+
 Invariants (check_invariants):
 - free + referenced = all blocks; a block is in the free queue iff its ref_cnt is 0;
 - a block's ref_cnt equals the number of block tables that hold it;
-- a block registered under a hash holds the computed keys/values of exactly its stored tokens.
+- a block registered under a hash holds the computed keys/values of exactly its stored tokens;
+- free CPU blocks + CPU blocks held by swapped-out sequences = all CPU blocks, each held once.
 """
 
 from collections import OrderedDict
@@ -43,7 +50,13 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+    ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -56,6 +69,9 @@ class BlockManager:
         self.num_slots_used: dict[int, int] = {}  # seq_id -> tokens its table holds
         self.num_queried_tokens = 0  # prefix-cache statistics
         self.num_hit_tokens = 0
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks = list(range(num_cpu_blocks))
+        self.cpu_block_tables: dict[int, list[int]] = {}  # seq_id -> CPU blocks, when swapped out
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +80,7 @@ class BlockManager:
     def _blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
+    # exercise 5.2: the prefix cache's hash-chain lookup
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of `seq`'s tokens. The last token is never matched:
         its logits are needed to sample, so at least one token must be computed."""
@@ -82,15 +99,17 @@ class BlockManager:
             parent = block.block_hash
         return matched
 
-    def can_allocate(self, cached: list[int], num_tokens: int) -> bool:
-        """Room for a new sequence's first `num_tokens` tokens, reusing the `cached` blocks?"""
+    def can_allocate(self, cached: list[int], num_tokens: int, watermark: int) -> bool:
+        """Room for `num_tokens` of a new sequence's tokens, reusing the `cached` blocks, with
+        `watermark` blocks still free afterwards for the running sequences' next step?"""
         new_blocks = self._blocks_needed(num_tokens) - len(cached)
         reclaimed = sum(1 for b in cached if self.blocks[b].ref_cnt == 0)  # leave the free queue
-        return new_blocks <= self.num_free_blocks - reclaimed
+        return new_blocks + watermark <= self.num_free_blocks - reclaimed
 
     def allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> None:
         """Builds `seq`'s block table: the cached prefix, then fresh blocks up to `num_tokens`.
-        Precondition: can_allocate(cached, num_tokens)."""
+        Precondition: can_allocate(cached, n, ...) for some n >= num_tokens;
+        seq.num_computed_tokens counts the cached prefix."""
         assert seq.seq_id not in self.block_tables
         for block_id in cached:
             self._take(block_id)
@@ -105,6 +124,7 @@ class BlockManager:
         needed = self._blocks_needed(seq.num_computed_tokens + num_new) - len(table)
         return needed <= self.num_free_blocks
 
+    # exercise 5.1: block allocation
     def append_slots(self, seq: Sequence, num_new: int) -> None:
         """Grows the table to hold num_computed_tokens + num_new tokens. Precondition:
         can_append_slots (or can_allocate, when called from allocate)."""
@@ -162,6 +182,40 @@ class BlockManager:
         del self.num_cached_blocks[seq.seq_id]
         del self.num_slots_used[seq.seq_id]
 
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(self.block_tables[seq.seq_id]) <= len(self.free_cpu_blocks)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Moves `seq`'s table to CPU blocks and frees its GPU blocks; returns the (GPU block,
+        CPU block) copies, to be made before anything runs in the freed blocks."""
+        table = self.block_tables[seq.seq_id]
+        cpu_table = [self.free_cpu_blocks.pop() for _ in table]
+        self.cpu_block_tables[seq.seq_id] = cpu_table
+        copies = list(zip(table, cpu_table, strict=True))
+        self.free(seq)
+        return copies
+
+    def can_swap_in(self, seq: Sequence, num_new: int, watermark: int) -> bool:
+        """Room on the GPU for `seq`'s swapped blocks plus `num_new` tokens, with `watermark`
+        blocks still free afterwards?"""
+        needed = self._blocks_needed(seq.num_computed_tokens + num_new)
+        return needed + watermark <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence, num_new: int) -> list[tuple[int, int]]:
+        """Gives `seq` fresh GPU blocks for its swapped ones and room for `num_new` more tokens;
+        returns the (CPU block, GPU block) copies. Precondition: can_swap_in."""
+        cpu_table = self.cpu_block_tables.pop(seq.seq_id)
+        self.block_tables[seq.seq_id] = []
+        self.num_cached_blocks[seq.seq_id] = 0  # private until cache_full_blocks registers them
+        self.append_slots(seq, num_new)
+        self.free_cpu_blocks += cpu_table
+        return list(zip(cpu_table, self.block_tables[seq.seq_id], strict=False))
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """Returns a swapped-out sequence's CPU blocks (it finished or was aborted)."""
+        self.free_cpu_blocks += self.cpu_block_tables.pop(seq.seq_id)
+
+    # exercise 5.3: the slot mapping
     def slot(self, seq_id: int, position: int) -> int:
         table = self.block_tables[seq_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
@@ -195,3 +249,5 @@ class BlockManager:
             # A child is freed before its parent, so it is evicted first: no orphan in the cache.
             assert block.parent_hash is None or block.parent_hash in self.hash_to_block, block
             assert len(block.token_ids) == self.block_size
+        held = [b for table in self.cpu_block_tables.values() for b in table]
+        assert sorted(held + self.free_cpu_blocks) == list(range(self.num_cpu_blocks))

@@ -1,22 +1,27 @@
-"""The `mini-vllm` command: `serve`, `generate`, `chat` (flags named as vLLM names them).
+"""The `mini-vllm` command: `serve`, `generate`, `chat`, `bench` (flags named as vLLM names them).
 
 - `mini-vllm serve [MODEL]`: the OpenAI-compatible server (no MODEL: the embedded SmolLM2);
 - `mini-vllm generate PROMPT...`: offline completions, printed;
 - `mini-vllm chat`: an interactive conversation in the terminal, the reply streamed as it is
-  generated (offline: no server involved).
+  generated (offline: no server involved);
+- `mini-vllm bench throughput|latency|serve`: vLLM's benchmarks (bench.py), the first two on an
+  engine built here, the last against a running server.
 
 Every `EngineConfig` field is a flag of its own (`max_num_seqs` -> `--max-num-seqs`), derived
-from the dataclass, so a knob added to the engine is a flag here without touching this file.
+from the dataclass, so a knob added to the engine is a flag here without touching this file
+(phase 7's `--tensor-parallel-size`, `--load-format`, `--enforce-eager` among them).
 Subcommands live in `SUBCOMMANDS`: one function each that adds its parser and sets its handler.
 """
 
 import argparse
 import dataclasses
+import enum
 import logging
 import sys
 import typing
 from collections.abc import Callable, Iterator
 
+from .bench import add_bench_parser, run_bench
 from .config import EngineConfig
 from .default_model import MODEL_NAME
 from .engine import LLM, LLMEngine, Message
@@ -35,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if hints[f.name] is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif isinstance(f.default, enum.Enum):  # the config takes the enum's values as strings
+            choices = [m.value for m in type(f.default)]
+            parser.add_argument(flag, choices=choices, default=f.default.value)
         else:
             parser.add_argument(flag, type=hints[f.name], default=f.default)
 
@@ -96,6 +104,7 @@ def serve(args: argparse.Namespace) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         async_llm.shutdown()
+        llm.shutdown()  # stops the tensor-parallel workers, if any
 
 
 def resolve_max_model_len(engine: LLMEngine, requested: int | None) -> int:
@@ -125,10 +134,13 @@ def add_generate_parser(subparsers) -> None:
 
 def generate(args: argparse.Namespace) -> None:
     llm = load_llm(args)
-    for out in llm.generate(args.prompt, sampling_params(args), use_tqdm=False):
-        completion = out.outputs[0]
-        print(f"--- {out.prompt!r} ({completion.finish_reason})")
-        print(out.prompt + completion.text)
+    try:
+        for out in llm.generate(args.prompt, sampling_params(args), use_tqdm=False):
+            completion = out.outputs[0]
+            print(f"--- {out.prompt!r} ({completion.finish_reason})")
+            print(out.prompt + completion.text)
+    finally:
+        llm.shutdown()
 
 
 # -- chat ----------------------------------------------------------------------------------
@@ -161,7 +173,14 @@ def stream_reply(
 
 
 def chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
-    engine = load_llm(args).engine
+    llm = load_llm(args)
+    try:
+        converse(llm.engine, args, read)
+    finally:
+        llm.shutdown()
+
+
+def converse(engine: LLMEngine, args: argparse.Namespace, read: Callable[[str], str]) -> None:
     params = sampling_params(args)
     messages: list[Message] = []
     if args.system_prompt:
@@ -183,10 +202,38 @@ def chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+# -- bench ---------------------------------------------------------------------------------
+
+
+def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
+    """`bench throughput|latency` build their engine here: a model and the engine's flags."""
+    parser.add_argument("--model", default=None, help="HF directory or hub id (default: SmolLM2)")
+    add_engine_args(parser)
+
+
+def add_bench(subparsers) -> None:
+    add_bench_parser(subparsers, add_bench_engine_args)
+    subparsers.choices["bench"].set_defaults(handler=bench)
+
+
+def bench(args: argparse.Namespace) -> None:
+    llms: list[LLM] = []
+
+    def make_llm(args: argparse.Namespace) -> LLM:
+        llms.append(load_llm(args))
+        return llms[-1]
+
+    try:
+        run_bench(args, make_llm)
+    finally:
+        for llm in llms:
+            llm.shutdown()
+
+
 # -- entry point ---------------------------------------------------------------------------
 
-# Each adds its subparser and sets `handler`. `mini-vllm bench` joins here from bench.py.
-SUBCOMMANDS = (add_serve_parser, add_generate_parser, add_chat_parser)
+# Each adds its subparser and sets `handler`.
+SUBCOMMANDS = (add_serve_parser, add_generate_parser, add_chat_parser, add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

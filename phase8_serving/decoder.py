@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .attention import Attention, ForwardBatch
+from .distributed import TensorParallel
 from .kv_cache import KVCache
 from .mlp import MLP
 from .norm import RMSNorm
@@ -17,7 +18,7 @@ from .rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int):
+    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(
@@ -29,9 +30,10 @@ class DecoderLayer(nn.Module):
             layer_idx,
             config.qk_norm,
             config.rms_norm_eps,
+            tp,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(
         self,

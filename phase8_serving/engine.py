@@ -7,21 +7,39 @@ run, runs it through the model runner, appends the sampled tokens, and retires s
 EOS, a stop token or max_tokens, freeing their KV slots for the next waiting request at once.
 `LLM.generate` is the offline loop around it: add everything, step until done.
 
+One bad request never breaks the engine: `SamplingParams` and `EngineConfig` are valid once built,
+`add_request` checks a prompt before queuing it, and `LLM.generate` is all or nothing (if anything
+raises, none of its requests stays queued or running). If a step itself raises (a model error),
+the requests it ran are aborted and their KV freed before the error propagates, so the next step
+starts clean instead of failing the same way forever.
+
 Invariant: after every step, `scheduler.check_invariants()` holds (tests call it each step).
 
-Phase 5: the engine owns a `BlockManager` instead of a slot allocator, and registers blocks that a
-step filled with computed tokens in the prefix cache.
+Phase 5: the engine's `BlockManager` is the paged one; blocks that a step filled with computed
+tokens are registered in the prefix cache, and blocks the scheduler swapped are copied first.
 
 Phase 6: real text. `LLM("path/or/hub-id")` (or `LLM()`, the embedded SmolLM2) loads a checkpoint
 and its tokenizer; every request streams its tokens through an incremental detokenizer, stops at
 any of the checkpoint's EOS ids or at a stop string (the text is cut before it), and
-`LLM.chat` renders conversations with the checkpoint's chat template.
+`LLM.chat` renders conversations with the checkpoint's chat template. Streamed text only grows:
+a step's output holds back the last len(stop) - 1 characters that could still begin a stop
+string (vLLM's rule) and any unfinished multi-byte character, so text already shown never changes.
+
+Phase 7: the engine's own per-step work must stay small next to a GPU step of a few
+milliseconds. Text is what costs: detokenizing every token of every request each step is tens of
+microseconds a request. So a request's text is caught up only when someone reads it: every step
+for a request with stop strings (they are searched in the text), otherwise when an output is
+built. `LLM.generate` asks for final outputs only (`RequestOutputKind.FINAL_ONLY`, vLLM's name),
+so a request without stop strings is detokenized once, when it finishes.
 
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
-for, and `num_preemptions` counts preemptions for the server's metrics. (`abort_request` frees a
-request's blocks at once; the server calls it when a client goes away.)
+for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
+requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). (`abort_request` frees
+a request's blocks at once; the server calls it when a client goes away.)
 """
 
+import atexit
+import enum
 import itertools
 import os
 import time
@@ -34,15 +52,17 @@ from tqdm.auto import tqdm
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .default_model import default_model_dir
-from .loader import load_model
+from .distributed import TensorParallel, start_workers
+from .loader import load_model, resolve_device, resolve_dtype, resolve_model_dir
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, TokenLogprobs
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string
+from .tokenizer import IncrementalDetokenizer, Tokenizer, check_conversations, find_stop_string
 from .trace import StepTrace
 
+Prompt = str | list[int]  # text, or token ids
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
 
 
@@ -64,12 +84,31 @@ class RequestOutput:
     finished: bool
 
 
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # an output every step the request gets a token (streaming)
+    FINAL_ONLY = "final_only"  # one output, when the request finishes (offline generate)
+
+
 @dataclass
 class Request:
     seq: Sequence
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer  # its output_text is the request's text so far
+    prompt: str | None  # the text the caller gave, if it gave text
+    detokenizer: IncrementalDetokenizer  # its output_text is the text of the tokens fed so far
+    output_kind: RequestOutputKind
+    num_detokenized: int = 0  # output tokens fed to the detokenizer
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token
+
+
+def check_prompt(name: str, prompt: object) -> None:
+    """Raises TypeError unless `prompt` is text or a list of token ids (bytes are neither)."""
+    if not isinstance(prompt, str | list):
+        raise TypeError(f"{name} must be a str or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_optional(name: str, value: object, cls: type) -> None:
+    """Raises TypeError unless `value` is None or a `cls` (an argument in the wrong place, say)."""
+    if value is not None and not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
 
 
 class LLMEngine:
@@ -80,14 +119,19 @@ class LLMEngine:
         config: EngineConfig | None = None,
         trace: StepTrace | None = None,
     ):
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a Tokenizer, got {type(tokenizer).__name__}")
+        check_optional("config", config, EngineConfig)
+        check_optional("trace", trace, StepTrace)
         self.config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids
         self.trace = trace
         self.block_manager = BlockManager(
-            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
+            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching,
+            self.config.num_cpu_kv_blocks,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config, self.block_manager)
         self.requests: dict[str, Request] = {}
@@ -96,10 +140,16 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> str:
+        """Queues one request; raises (changing nothing) if it is malformed or can never run."""
+        check_prompt("prompt", prompt)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_optional("request_id", request_id, str)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
         if max_len > self.model.config.max_position_embeddings:
@@ -124,18 +174,19 @@ class LLMEngine:
         seq = Sequence(seq_id, request_id, prompt_ids, params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None,
-                                            detokenizer)  # fmt: skip
+                                            detokenizer, output_kind)  # fmt: skip
         self.scheduler.add(seq)
         return request_id
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
         vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {token!r}")
         return list(prompt)
 
     def abort_request(self, request_id: str) -> None:
@@ -150,9 +201,23 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns the requests that got a token or finished."""
+        """Runs one scheduler step; returns the requests that got a token or finished.
+
+        If the step raises, the requests it ran are aborted (their KV freed) and the error
+        propagates: what they computed is unknown, and a failure that depends on the request
+        would otherwise repeat at every later step.
+        """
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        try:
+            return self._run(out, start)
+        except BaseException:
+            for seq, _ in out.scheduled:
+                self.abort_request(seq.request_id)
+            raise
+
+    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+        self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         # A step may run nothing (every running sequence was preempted); the trace still records
         # it.
         samples = self.runner.run(out.scheduled) if out.scheduled else []
@@ -169,15 +234,21 @@ class LLMEngine:
                 self.requests[seq.request_id].logprobs.append(sample.logprobs)
             updated.append(seq)
             reason = self._finish_reason(seq, token)
-            if reason is not FinishReason.STOP:  # a stop token's own text is never shown
-                reason = self._detokenize(seq, token) or reason  # the last token has text too
+            # a stop token's own text is never shown; only stop strings need the text each step
+            if reason is not FinishReason.STOP and seq.params.stop:
+                reason = self._detokenize(seq) or reason  # the last token has text too
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.runner.release(seq)
                 finished.append(seq)
         if self.trace is not None:
             self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
-        outputs = [self._output(seq) for seq in updated]
+        outputs = [
+            self._output(seq)
+            for seq in updated
+            if seq.is_finished
+            or self.requests[seq.request_id].output_kind is RequestOutputKind.CUMULATIVE
+        ]
         for seq in finished:
             del self.requests[seq.request_id]  # delivered: the engine forgets it
         return outputs
@@ -192,10 +263,22 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def _detokenize(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _catch_up_text(self, request: Request, num_tokens: int) -> str:
+        """Feeds the detokenizer the output tokens up to `num_tokens`; returns the new text."""
+        new = request.seq.token_ids[
+            request.seq.num_prompt_tokens + request.num_detokenized :
+            request.seq.num_prompt_tokens + num_tokens
+        ]  # fmt: skip
+        if not new:
+            return ""
+        request.num_detokenized = num_tokens
+        return request.detokenizer.add_tokens(new)
+
+    def _detokenize(self, seq: Sequence) -> FinishReason | None:
         """Extends the request's text; a stop string ends the request, cut before the stop."""
-        detokenizer = self.requests[seq.request_id].detokenizer
-        delta = detokenizer.add_tokens([token])
+        request = self.requests[seq.request_id]
+        delta = self._catch_up_text(request, seq.num_output_tokens)
+        detokenizer = request.detokenizer
         match = find_stop_string(detokenizer.output_text, seq.params.stop, len(delta))
         if match is None:
             return None
@@ -204,10 +287,15 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
+        # every token has text but a stop token (a stop string's request is already caught up)
+        stopped = seq.finish_reason is FinishReason.STOP
+        self._catch_up_text(request, seq.num_output_tokens - stopped)
         if seq.is_finished and seq.finish_reason is not FinishReason.STOP:
             request.detokenizer.flush()  # a character split at max_tokens still shows up
         reason = seq.finish_reason.value if seq.finish_reason else None
         text = request.detokenizer.output_text
+        if not seq.is_finished:  # the tail that may still turn out to start a stop string waits
+            text = text[: len(text) - stop_hold_back(seq.params)]
         logprobs = list(request.logprobs) if seq.params.logprobs is not None else None
         completion = CompletionOutput(0, text, seq.output_token_ids, reason, logprobs)
         return RequestOutput(
@@ -215,26 +303,53 @@ class LLMEngine:
         )
 
 
+def stop_hold_back(params: SamplingParams) -> int:
+    """Characters a running request's text keeps back: a stop string that ends in the next token
+    may start up to len(stop) - 1 characters before the end of the text so far (vLLM's rule)."""
+    return max((len(stop) - 1 for stop in params.stop), default=0)
+
+
 class LLM:
     """Offline batch inference: `LLM("Qwen/Qwen3-0.6B").generate(prompts, params)`, vLLM's shape.
 
     `model`: a local Hugging Face directory or a hub id; None means the embedded SmolLM2.
     `dtype`: "auto" (bf16 on a bf16-capable GPU, else fp32), or "float32"/"bfloat16"/"float16".
+    Every option is checked before the slow load.
     """
 
     def __init__(
         self,
         model: str | os.PathLike | None = None,
         dtype: str | torch.dtype = "auto",
-        device: str | None = None,
+        device: str | torch.device | None = None,
         trace: StepTrace | None = None,
         **engine_kwargs,
     ):
         config = EngineConfig(**engine_kwargs)  # bad settings fail before the slow load
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(default_model_dir() if model is None else model, dtype, device)
+        if model is not None and not isinstance(model, str | os.PathLike):
+            raise TypeError(f"model must be a str, a path or None, got {type(model).__name__}")
+        check_optional("trace", trace, StepTrace)
+        device = resolve_device(device)
+        resolve_dtype(dtype, device)  # raises on an unknown dtype
+        model_dir = resolve_model_dir(default_model_dir() if model is None else model)
+        # Tensor parallelism (distributed.py): ranks 1.. load their shards in their own processes
+        # and follow this one's steps; with one rank there is no process group at all.
+        tp = TensorParallel(0, config.tensor_parallel_size)
+        self.workers = None
+        if tp.size > 1:
+            self.workers = start_workers(model_dir, dtype, torch.device(device), config)
+        loaded = load_model(model_dir, dtype, device, tp, config.load_format)
         tokenizer = Tokenizer.from_dir(loaded.model_dir)
         self.engine = LLMEngine(loaded.model, tokenizer, config, trace)
+        if self.workers is not None:
+            atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers: CUDA graphs first, then the process group."""
+        if self.workers is not None:
+            atexit.unregister(self.shutdown)
+            self.engine.runner.shutdown()
+            self.workers.stop()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -248,7 +363,8 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation or a list of them, rendered with the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = check_conversations(messages)
+        check_optional("chat_template_kwargs", chat_template_kwargs, dict)
         tokenizer = self.engine.tokenizer
         prompts = [
             tokenizer.encode(
@@ -263,29 +379,58 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = []
+        """Runs every prompt to completion; outputs come back in the order of `prompts`.
+
+        All or nothing: if anything raises (a bad prompt, a model error, Ctrl-C), every request
+        of this call is aborted before the error propagates, so none runs later by surprise.
+        """
+        prompts, params = check_batch(prompts, sampling_params)
+        ids: list[str] = []
         try:
             for p, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(p, sp))
-        except ValueError:
-            for i in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
+                ids.append(self.engine.add_request(p, sp, output_kind=RequestOutputKind.FINAL_ONLY))
+            done: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            for i in ids:
                 self.engine.abort_request(i)
             raise
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
         return [done[i] for i in ids]
+
+
+def check_batch(
+    prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """`generate`'s arguments as one list of prompts and one of params, each checked by index.
+
+    A bare string is one prompt (as in vLLM); bytes are not text and are refused.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise TypeError(f"prompts must be a str or a list of prompts, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        check_prompt(f"prompts[{i}]", prompt)
+    params = SamplingParams() if sampling_params is None else sampling_params
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if not isinstance(params, list | tuple):
+        kind = type(params).__name__
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    for i, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(
+                f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}"
+            )
+    return list(prompts), list(params)

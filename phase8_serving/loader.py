@@ -7,11 +7,23 @@ Idea: read config.json into a `ModelConfig`, build the model on the `meta` devic
 no memory, no random init), give it uninitialized storage on the target device, then copy every
 tensor from the safetensors files by name: our module names are the checkpoint keys (model.py).
 Everything is checked before a single weight is copied, so a bad checkpoint fails fast with a
-message naming the file and the key.
+`CheckpointError` naming the file and the key: invalid JSON, config values of the wrong type,
+`architectures` that disagree with `model_type`, a truncated or garbage safetensors file, missing,
+unexpected or misshaped tensors, and integer tensors (quantized or corrupt weights: casting them to
+floats would run a silently wrong model).
+
+Phase 7 (tensor parallelism): each rank builds the model for its `TensorParallel` rank and reads
+only its piece of every tensor: the sharded layers say which piece goes where (`shard()`, a
+`WeightShard`), and safetensors reads a slice of a tensor without reading the rest. Checkpoint
+tensors we stack (q/k/v, gate/up: `STACKED_PARAMS`) land in their part of the stacked weight.
+`load_format="dummy"` (vLLM's name) skips the checkpoint: every rank fills its own shard with
+small random values where it lives, so a benchmark can run a 70B-parameter shape from nothing but
+a config.json.
 
 Invariants:
 - after `load_model`, every parameter holds a checkpoint tensor: missing keys are an error, except
   `lm_head.weight` of a tied model, which IS `model.embed_tokens.weight`;
+- no rank reads more of a checkpoint tensor than its own piece (replicated tensors: all of it);
 - no pickle is ever read: safetensors only;
 - RoPE tables are not in checkpoints; they are recomputed in float32 whatever the weight dtype.
 """
@@ -22,9 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .model import ModelConfig, Qwen3ForCausalLM
+from .config import LOAD_FORMATS
+from .distributed import SINGLE_RANK, TensorParallel
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear, RowParallelLinear, WeightShard
+from .model import STACKED_PARAMS, ModelConfig, Qwen3ForCausalLM
 from .rope import RotaryEmbedding
 
 CONFIG_FILE = "config.json"
@@ -35,6 +51,26 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # Old Llama exports store RoPE's inverse frequencies; we compute them instead.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT_TENSOR_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names for what we load
+ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# config.json fields we read, by the JSON type they must have (null means "absent" for all).
+CONFIG_FIELD_TYPES = {
+    **dict.fromkeys(
+        ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"),
+        int,
+    ),
+    "rms_norm_eps": float,
+    "rope_theta": float,
+    "tie_word_embeddings": bool,
+    "model_type": str,
+    "architectures": list,
+    "rope_parameters": dict,
+}  # fmt: skip
+# Dummy weights as vLLM draws them: uniform in [-1e-3, 1e-3], so bf16 activations stay finite.
+DUMMY_WEIGHT_RANGE = 1e-3
+DUMMY_SEED = 0  # rank r draws from DUMMY_SEED + r
+SHARDED_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
 class CheckpointError(ValueError):
@@ -51,19 +87,27 @@ class LoadedModel:
 def load_model(
     path_or_id: str | os.PathLike,
     dtype: torch.dtype | str = "auto",
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
+    tp: TensorParallel = SINGLE_RANK,
+    load_format: str = "auto",
 ) -> LoadedModel:
-    """Load a checkpoint for inference (eval mode, no gradients).
+    """Load a checkpoint for inference (eval mode, no gradients): rank `tp.rank`'s shard of it.
 
     dtype "auto" means bfloat16 on a CUDA device that supports it and float32 elsewhere: on a
     2-core CPU, bf16 matmuls are not faster and round every activation, which would make
     comparisons against transformers' float32 logits loose for nothing.
+    load_format "dummy": random weights of the checkpoint's config; its safetensors are not read.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    device = resolve_device(device)
     model_dir = resolve_model_dir(path_or_id)
-    device = torch.device(device)
-    config = ModelConfig.from_hf(read_hf_config(model_dir))
-    model = _build_empty(config, resolve_dtype(dtype, device), device)
-    load_weights(model, weight_files(model_dir))
+    config = read_model_config(model_dir)
+    model = _build_empty(config, resolve_dtype(dtype, device), device, tp)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, weight_files(model_dir))
     return LoadedModel(model.eval().requires_grad_(False), config, model_dir)
 
 
@@ -93,6 +137,18 @@ def _download(repo_id: str) -> Path:
         ) from e
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on (None: CUDA if present, else CPU), refusing names torch cannot parse."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"device must be a str or a torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a device torch knows: {e}") from None
+
+
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -104,18 +160,56 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+def read_model_config(model_dir: Path) -> ModelConfig:
+    hf = read_hf_config(model_dir)
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:  # "config.json lacks ...", an unsupported model: name the checkpoint
+        raise CheckpointError(f"{model_dir}: {e}") from None
+
+
 def read_hf_config(model_dir: Path) -> dict:
+    """config.json as a dict, its fields' types checked (a "64" is not a hidden size)."""
     path = model_dir / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
-    return json.loads(path.read_text(encoding="utf-8"))
+    hf = _read_json(path)
+    for key, kind in CONFIG_FIELD_TYPES.items():
+        value = hf.get(key)
+        bad_number = kind is not bool and isinstance(value, bool)  # JSON true is not a count
+        if value is not None and (bad_number or not isinstance(value, _json_types(kind))):
+            raise CheckpointError(f"{path}: {key!r} must be a JSON {kind.__name__}, got {value!r}")
+    model_type, architectures = hf.get("model_type"), hf.get("architectures")
+    expected = ARCHITECTURE_BY_MODEL_TYPE.get(model_type)
+    if expected is not None and architectures is not None and architectures != [expected]:
+        raise CheckpointError(
+            f"{path}: architectures {architectures} disagree with model_type {model_type!r} "
+            f"(which means [{expected!r}])"
+        )
+    return hf
+
+
+def _json_types(kind: type) -> type | tuple[type, ...]:
+    return (int, float) if kind is float else kind  # JSON writes 1e6 as 1000000.0 or 1000000
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards its index names, or every *.safetensors."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -129,11 +223,13 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
+def _build_empty(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel
+) -> Qwen3ForCausalLM:
     # Shapes only: no memory, no random init. (The first meta-device ops of a process import
     # torch's meta kernels once, ~1.5 s; a random init of a 0.6B model on CPU costs more.)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = Qwen3ForCausalLM(config, tp)
     model = model.to(dtype).to_empty(device=device)  # garbage until load_weights fills it
     model.tie_weights()
     tables = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -143,41 +239,98 @@ def _build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
+def init_dummy_weights(model: Qwen3ForCausalLM) -> None:
+    """Fill this rank's shard with seeded random values, on its device (nothing built whole)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(DUMMY_SEED + model.tp.rank)
+    with torch.no_grad():
+        for param in model.parameters():  # a tied head is listed once
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes on this rank: a piece of one parameter."""
+
+    param: torch.Tensor
+    shard: WeightShard
+
+
+def checkpoint_targets(model: Qwen3ForCausalLM) -> dict[str, Target]:
+    """Checkpoint key -> its target on this rank. Sharded layers say which piece is theirs;
+    stacked weights (qkv_proj, gate_up_proj) take one checkpoint tensor per shard id."""
+    targets: dict[str, Target] = {}
+    for name, module in model.named_modules():
+        prefix, _, leaf = name.rpartition(".")
+        for param_name, param in module.named_parameters(recurse=False):  # a tied head: twice
+            if not isinstance(module, SHARDED_MODULES):
+                targets[f"{name}.{param_name}"] = Target(param, WeightShard.whole(param.shape))
+                continue
+            stacked = [(ckpt, shard_id) for ckpt, ours, shard_id in STACKED_PARAMS if ours == leaf]
+            if not stacked:
+                targets[f"{name}.{param_name}"] = Target(param, module.shard())
+            for ckpt, shard_id in stacked:
+                targets[f"{prefix}.{ckpt}.{param_name}"] = Target(param, module.shard(shard_id))
+    return targets
+
+
 def load_weights(model: Qwen3ForCausalLM, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name, after checking them all."""
-    params = model.state_dict(keep_vars=True)  # name -> Parameter; a tied head appears twice
-    key_files = _check_keys(model, files, params)
+    """Copy this rank's piece of every checkpoint tensor into its place, after checking them all."""
+    targets = checkpoint_targets(model)
+    key_files = _check_keys(model, files, targets)
     with torch.no_grad():
         for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
+            with _open_safetensors(file) as f:
                 for key in f.keys():
                     if key_files.get(key) == file:
-                        params[key].copy_(f.get_tensor(key))  # casts to the model's dtype
+                        param, shard = targets[key].param, targets[key].shard
+                        piece = _read_piece(f.get_slice(key), shard)  # reads only these bytes
+                        dest = param.narrow(shard.dim, shard.dest_start, shard.size)
+                        dest.copy_(piece)  # casts to the model's dtype
+
+
+def _read_piece(tensor_slice, shard: WeightShard) -> torch.Tensor:
+    end = shard.start + shard.size
+    return tensor_slice[shard.start : end] if shard.dim == 0 else tensor_slice[:, shard.start : end]
 
 
 def _check_keys(
-    model: Qwen3ForCausalLM, files: list[Path], params: dict[str, torch.Tensor]
+    model: Qwen3ForCausalLM, files: list[Path], targets: dict[str, Target]
 ) -> dict[str, Path]:
     """Key -> file it is read from; raises on unexpected, missing or wrongly shaped tensors."""
     key_files: dict[str, Path] = {}
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for key in f.keys():
                 if key.endswith(IGNORED_KEY_SUFFIXES):
                     continue
-                if key not in params:
+                if key not in targets:
                     raise CheckpointError(f"{file.name}: unexpected key {key!r} (not in the model)")
-                shape, want = tuple(f.get_slice(key).get_shape()), tuple(params[key].shape)
+                tensor = f.get_slice(key)
+                shape, want = tuple(tensor.get_shape()), targets[key].shard.full_shape
                 if shape != want:
                     raise CheckpointError(
                         f"{file.name}: {key!r} has shape {shape}, config.json implies {want}"
                     )
+                if tensor.get_dtype() not in FLOAT_TENSOR_DTYPES:
+                    raise CheckpointError(
+                        f"{file.name}: {key!r} is {tensor.get_dtype()}, not a float tensor "
+                        "(quantized weights are not supported; casting them would be wrong)"
+                    )
                 key_files[key] = file
     optional = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    missing = sorted(set(params) - set(key_files) - optional)
+    missing = sorted(set(targets) - set(key_files) - optional)
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise CheckpointError(f"checkpoint in {files[0].parent} lacks {shown}")
     return key_files
+
+
+def _open_safetensors(file: Path):
+    """`safe_open`, with a truncated or garbage file reported as a CheckpointError naming it."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None

@@ -3,20 +3,34 @@
 Problem: attention only mixes information across tokens; each token also needs a nonlinear
 transformation of its own vector.
 Idea (Shazeer, 2020): down(silu(gate(x)) * up(x)). The gate decides, channel by channel, how much of
-the up-projection passes. Names match Hugging Face checkpoint keys (gate_proj, up_proj, down_proj).
+the up-projection passes. Names match Hugging Face checkpoint keys (down_proj), except that
+gate_proj and up_proj are stacked in one matmul, `gate_up_proj` (the loader fills its two halves).
+
+Phase 7 (tensor parallelism, linear.py): gate_up_proj is column-parallel and down_proj
+row-parallel, so each rank computes the SwiGLU of its own slice of the intermediate features and
+the block needs one all-reduce, inside down_proj.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import TensorParallel
+from .linear import MergedColumnParallelLinear, RowParallelLinear
+
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        sizes = (intermediate_size, intermediate_size)  # shard ids 0: gate_proj, 1: up_proj
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # (N, 2 * I / size)
+        if x.is_cuda:  # one fused kernel instead of three (kernels/fused.py)
+            from .kernels.fused import silu_and_mul  # here: CPU-only installs may lack Triton
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # (N, I / size) each
+        return self.down_proj(F.silu(gate) * up)

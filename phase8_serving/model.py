@@ -13,12 +13,20 @@ checkpoints need:
 The same class serves Llama-family checkpoints (SmolLM2, Llama 3 without RoPE scaling) with
 `qk_norm=False`: Qwen3 is Llama plus q/k norm.
 
+Phase 7 (tensor parallelism): the model is built for one rank of a `TensorParallel` group and
+holds only that rank's slice of every matrix (linear.py, embedding.py); norms and RoPE tables are
+replicated. Matrices that read the same input are stacked in one matmul, as vLLM does:
+`qkv_proj` holds q_proj, k_proj and v_proj, `gate_up_proj` holds gate_proj and up_proj; the loader
+maps the checkpoint's names onto them (`STACKED_PARAMS`).
+
 Invariants:
-- `state_dict()` keys are exactly the checkpoint keys (plus `lm_head.weight` when tied);
+- `state_dict()` keys are the checkpoint keys (plus `lm_head.weight` when tied), with the stacked
+  names in place of the tensors they stack;
 - `forward(input_ids, positions, batch, kv_cache)` is phase 5's paged interface, unchanged: packed
-  new tokens in, logits of the tokens to sample out;
-- given `torch.manual_seed(s)` and `qk_norm=False`, the weights equal phase 0's TinyTransformer
-  (same creation order), only under HF names.
+  new tokens in, logits of the tokens to sample out, the whole vocabulary on every rank;
+- with `tp.size == 1` nothing communicates, and no process group is needed;
+- given `torch.manual_seed(s)`, `qk_norm=False` and one rank, the weights equal phase 0's
+  TinyTransformer (same creation order), under HF names, with q/k/v and gate/up stacked.
 """
 
 from dataclasses import dataclass
@@ -29,8 +37,10 @@ from torch import nn
 
 from .attention import ForwardBatch
 from .decoder import DecoderLayer
-from .embedding import Embedding
+from .distributed import SINGLE_RANK, TensorParallel
+from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .kv_cache import KVCache
+from .linear import kv_heads_per_rank
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -39,6 +49,14 @@ QK_NORM_BY_MODEL_TYPE = {"qwen3": True, "llama": False}
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 # Llama's default when a config names no theta.
 DEFAULT_ROPE_THETA = 10000.0
+# Checkpoint tensors stored stacked in one of our weights: (checkpoint name, ours, shard id).
+STACKED_PARAMS = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
 
 
 @dataclass(frozen=True)
@@ -128,12 +146,12 @@ def _check_no_unsupported_features(hf: dict[str, Any]) -> None:
 class Qwen3Model(nn.Module):
     """The decoder stack (checkpoint keys `model.*`): token ids -> normalized hidden state."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, i) for i in range(config.num_layers)
+            DecoderLayer(config, rotary, i, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -152,17 +170,24 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK):
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config)
+        self.tp = tp
+        self.model = Qwen3Model(config, tp)
         # Created even when tied, so the RNG stream (and thus random weights) match phase 0.
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
 
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads this rank computes and caches (all of them without tensor parallelism)."""
+        return kv_heads_per_rank(self.config.num_kv_heads, self.tp)
+
     def tie_weights(self) -> None:
-        """A tied head IS the embedding table: one tensor, two names. Moving a model off the
-        meta device (`to_empty`) makes new tensors per module, so the loader ties again."""
+        """A tied head IS the embedding table (the same rank's rows): one tensor, two names.
+        Moving a model off the meta device (`to_empty`) makes new tensors per module, so the
+        loader ties again."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -24,6 +24,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.max_position = max_position
 
+    # exercise 0.3: rotary position embedding (RoPE)
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (..., T, num_heads, head_dim), positions: (..., T) -> same shape as x."""
         cos = self.cos[positions].unsqueeze(-2)  # (..., T, 1, d/2)

@@ -3,38 +3,80 @@
 Problem: greedy decoding (argmax) is deterministic, dull and falls into loops ("the the the").
 Idea: treat the logits as a distribution and draw from it, after reshaping it:
 - temperature T divides the logits: T < 1 sharpens, T > 1 flattens, T = 0 means greedy;
+- min_p keeps tokens whose probability is at least min_p times the most likely token's;
 - top_k keeps the k most likely tokens;
-- top_p (nucleus) keeps the smallest set of most likely tokens whose probability reaches p;
-- min_p keeps tokens whose probability is at least min_p times the most likely token's.
-They apply in that order, each to what the previous one left. The most likely token always
-survives every filter, so there is always something to sample.
-
-From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; from phase 6
-`stop` strings and `skip_special_tokens`.
-
-Phase 8 (what a server's clients ask for, as the OpenAI API names it):
-- penalties, applied to the logits before temperature, batched over the rows of a step
-  (`apply_penalties`; vLLM's definitions): repetition_penalty r divides a positive logit by r and
-  multiplies a negative one by r, for every token seen in the prompt or the output;
-  frequency_penalty subtracts f times the token's count in the output; presence_penalty
-  subtracts p once for every token that occurs in the output;
-- `logprobs`: the log-probability of each sampled token under the model's raw distribution
-  (before penalties, temperature and filters), plus the `logprobs` most likely alternatives.
+- top_p (nucleus) keeps the smallest set of most likely tokens whose probability reaches p.
+They apply in vLLM's order (temperature, min-p, top-k, top-p), each to what the previous one left,
+so top-p's nucleus is measured on the temperature-scaled, min-p-filtered distribution. The most
+likely token always survives every filter, so there is always something to sample.
 
 Every request owns a `torch.Generator`: with `seed` set, the same request gives the same text no
 matter what else runs beside it (that matters once requests share a batch, phase 3 onwards).
+
+From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; from phase 6
+`stop` strings and `skip_special_tokens`. Phase 6 also samples a whole batch in one pass
+(`sample_batch`): the same filters with per-row parameter tensors, and one device-to-host copy of
+the chosen ids per step instead of one per row.
+
+Invariant: a `SamplingParams` that exists is valid. Every field is checked with its type when it is
+built (a bool is not a token count, 2.5 is not one either, NaN is not a temperature, a seed fits in
+64 bits), with an error naming the field: a bad request fails where it is made, never inside a
+later batch it shares with good ones.
+
+Phase 7: `sample_batch` stays on the device. Phase 6's batched pass still copies per-row
+parameters each step, sorts every row for top-k and draws with `torch.multinomial` row by row;
+here one step's parameters are per-row tensors (`SamplingBatch`), rows that need no filter skip
+the sort, and the draw is the exponential race (Gumbel-max): argmax(probs / E) with
+E ~ Exponential(1) picks token i with probability probs[i], with no cumulative-sum search. With no
+filter at all it is one Triton pass over logits and noise (`kernels/sampling.py`). Greedy rows take
+the exact argmax of the logits; a seeded request draws its noise row from its own generator, so
+its tokens do not depend on what shares its batch. The result is a device tensor: the engine
+copies tokens to the host once per step.
+
+Phase 8 (what a server's clients ask for, as the OpenAI API names it):
+- penalties, applied to the logits before `sample_batch`, as batched tensor ops over the rows of
+  a step, and only in steps where some row has one (`apply_penalties`; vLLM's definitions):
+  repetition_penalty r divides a positive logit by r and multiplies a negative one by r, for every
+  token seen in the prompt or the output; frequency_penalty subtracts f times the token's count in
+  the output; presence_penalty subtracts p once for every token that occurs in the output;
+- `logprobs`: the log-probability of each sampled token under the model's raw distribution
+  (before penalties, temperature and filters), plus the `logprobs` most likely alternatives,
+  computed only for the rows that ask (`token_logprobs`).
 """
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+TINY = torch.finfo(torch.float32).tiny  # noise floor: E == 0 would divide 0 / 0 for a dropped token
+
+# The smallest positive temperature: 1/T multiplies the logits, and float32 overflows to inf (then
+# softmax gives NaN) once T nears 1e-38. 1e-5 keeps that far away for any logit below 1e33, and is
+# the threshold below which vLLM (_SAMPLING_EPS) treats a temperature as greedy. Use 0 for greedy.
+MIN_TEMPERATURE = 1e-5
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (the OpenAI API's limit)
 MAX_ABS_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2] (the OpenAI API's range)
-# Beyond these, penalized or temperature-scaled logits overflow float32 and softmax gives NaN.
+# Beyond these, a penalized logit overflows float32 and softmax gives NaN.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
-MIN_TEMPERATURE = 0.01  # a smaller positive temperature samples as this one (vLLM's clamp)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    """Raises unless `value` is an int (not a bool: True is not a token count) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"SamplingParams.{name} must be >= {minimum}, got {value}")
+
+
+def _check_real(name: str, value: object) -> None:
+    """Raises unless `value` is a finite int or float (not a bool, not NaN, not inf)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
 
 
 @dataclass(frozen=True)
@@ -55,32 +97,71 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k's
 
     def __post_init__(self):
-        # Accept vLLM users' habits (a list, or one string) but store tuples: params are frozen.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
+        # Accept vLLM users' habits (a list) but store tuples: params are frozen.
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise TypeError(
+                f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, or None to disable it; got {self.top_k}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))  # one string is one stop, as in vLLM
+        if not isinstance(self.stop, list | tuple):
+            raise TypeError(
+                f"SamplingParams.stop must be a str or a list of str, got {self.stop!r}"
+            )
+        object.__setattr__(self, "stop", tuple(self.stop))
+        _check_real("temperature", self.temperature)
+        if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(
+                f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
+                f"got {self.temperature}"
+            )
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, minimum=1)  # None disables it
+        _check_real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        _check_real("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+            if self.seed >= SEED_LIMIT:
+                raise ValueError(f"SamplingParams.seed must be < 2**64, got {self.seed}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, minimum=0)
+        for stop in self.stop:
+            if not isinstance(stop, str):
+                raise TypeError(f"SamplingParams.stop must hold strings, got {stop!r}")
+            if not stop:
+                raise ValueError("SamplingParams.stop must not hold an empty string")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise TypeError(
+                "SamplingParams.skip_special_tokens must be a bool, "
+                f"got {self.skip_special_tokens!r}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name))
             if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise ValueError(
+                    f"SamplingParams.{name} must be in [{-MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], "
+                    f"got {getattr(self, name)}"
+                )
+        _check_real("repetition_penalty", self.repetition_penalty)
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(
-                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"SamplingParams.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
                 f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(
+                    f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -95,29 +176,173 @@ class SamplingParams:
         )
 
 
+def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """True where a token falls outside the k largest logits. logits: (..., V)."""
+    kth_largest = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits < kth_largest
+
+
+# exercise 2.1: the top-p (nucleus) filter
+def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """True where a token falls outside the nucleus: the smallest top set with mass >= p."""
+    probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
+    drop_sorted = mass_before >= p  # the nucleus was already complete without this token
+    drop_sorted[..., 0] = False  # the top token stays even if p rounds to 0 in float32
+    return drop_sorted.scatter(-1, order, drop_sorted)
+
+
+def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """True where a token's probability is below min_p times the top token's."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    return probs < min_p * probs.max(dim=-1, keepdim=True).values
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits the sampler draws from: temperature-scaled, then min-p, top-k, top-p filtered
+    (vLLM's order); filtered tokens are set to -inf."""
+    logits = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        logits = logits.masked_fill(min_p_mask(logits, params.min_p), float("-inf"))
+    if params.top_k is not None:
+        logits = logits.masked_fill(top_k_mask(logits, params.top_k), float("-inf"))
+    if params.top_p < 1.0:
+        logits = logits.masked_fill(top_p_mask(logits, params.top_p), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Draws tokens for one request with its own random stream."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        if params.seed is None:
+            self.generator.seed()  # a fresh nondeterministic seed, not torch's fixed default
+        else:
+            self.generator.manual_seed(params.seed)
+
+    # exercise 2.2: drawing a token with the request's own generator
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: (V,) -> the chosen token id."""
+        if self.params.greedy:
+            return int(logits.argmax())
+        probs = torch.softmax(filtered_logits(logits, self.params), dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters as per-row tensors (R rows, on the logits' device)."""
+
+    temperature: torch.Tensor  # (R,) float32; 1.0 on greedy rows (never divides by 0)
+    min_p: torch.Tensor  # (R,) float32; 0.0 = off
+    top_k: torch.Tensor  # (R,) int64; vocab_size = off
+    top_p: torch.Tensor  # (R,) float32; 1.0 = off
+    greedy: torch.Tensor  # (R,) bool
+    # host-side summaries, so whole passes no row needs are skipped without a device sync
+    all_greedy: bool
+    any_min_p: bool
+    any_top_k_top_p: bool
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (row, generator)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],  # per row: the request's own, or None
+        vocab_size: int,
+        device: torch.device,
+    ) -> "SamplingBatch":
+        greedy = [p.greedy for p in params]
+        top_k = [vocab_size if p.top_k is None else min(p.top_k, vocab_size) for p in params]
+        to = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
+        return cls(
+            temperature=to([1.0 if p.greedy else p.temperature for p in params], torch.float32),
+            min_p=to([p.min_p for p in params], torch.float32),
+            top_k=to(top_k, torch.int64),
+            top_p=to([p.top_p for p in params], torch.float32),
+            greedy=to(greedy, torch.bool),
+            all_greedy=all(greedy),
+            any_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
+            any_top_k_top_p=any(
+                not p.greedy and (p.top_k is not None or p.top_p < 1.0) for p in params
+            ),
+            seeded=[(i, g) for i, g in enumerate(generators) if g is not None],
+        )
+
+
+def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes what per-row top-k, then top-p on the top-k survivors, drop. probs: (R, V), rows
+    need not sum to 1 (min-p may have zeroed some)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    sorted_probs = sorted_probs.masked_fill(rank[None, :] >= top_k[:, None], 0.0)
+    kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # strictly more likely tokens
+    outside = mass_before >= top_p[:, None] * kept_mass
+    outside[:, 0] = False  # the top token stays even if top_p * kept_mass rounds to 0
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits (R, V) -> token ids (R,) int64, on the device: no host sync."""
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
+    for row, generator in batch.seeded:  # only seeded rows loop: one launch each
+        noise[row].exponential_(generator=generator)
+    noise.clamp_min_(TINY)
+    if logits.is_cuda and not (batch.any_min_p or batch.any_top_k_top_p):
+        # no filter needs the probabilities: one pass over logits and noise (kernels/sampling.py)
+        from .kernels.sampling import exponential_race  # here: CPU-only installs may lack Triton
+
+        return exponential_race(logits, noise, 1.0 / batch.temperature, batch.greedy)
+    logits = logits.float()
+    greedy_tokens = logits.argmax(dim=-1)
+    probs = torch.softmax(logits / batch.temperature[:, None], dim=-1)
+    if batch.any_min_p:
+        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    if batch.any_top_k_top_p:
+        probs = top_k_top_p(probs, batch.top_k, batch.top_p)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.greedy, greedy_tokens, sampled)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
 ) -> torch.Tensor:
-    """logits (R, V), one row per request -> penalized logits (R, V), float32, one batched pass."""
+    """logits (R, V), one row per request -> penalized logits (R, V), float32, a new tensor.
+
+    Batched: every row's token ids go to the device in one flat list, and the penalties are a
+    few whole-batch tensor ops. A row without penalties (r = 1, f = p = 0) comes out unchanged.
+    """
     R, V = logits.shape
     device = logits.device
-    logits = logits.float()
+    to = lambda xs: torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+    flat = lambda lists: (  # noqa: E731
+        to([row for row, ids in enumerate(lists) for _ in ids]),
+        to([t for ids in lists for t in ids]),
+    )  # (row index, token id) per token
+    out_rows, out_ids = flat(output_token_ids)
     output_counts = torch.zeros(R, V, device=device)  # (R, V): occurrences in the output
-    seen = torch.zeros(R, V, dtype=torch.bool, device=device)  # in the prompt or the output
-    for row, (prompt, output) in enumerate(zip(prompt_token_ids, output_token_ids, strict=True)):
-        out_ids = torch.tensor(output, dtype=torch.long, device=device)
-        output_counts[row].index_add_(0, out_ids, torch.ones(len(output), device=device))
-        seen[row, torch.tensor(prompt, dtype=torch.long, device=device)] = True
-    seen |= output_counts > 0
+    output_counts.index_put_(
+        (out_rows, out_ids), torch.ones(len(out_ids), device=device), accumulate=True
+    )
+    seen = output_counts > 0  # (R, V): in the prompt or the output
+    seen[flat(prompt_token_ids)] = True
     column = lambda name: torch.tensor(  # noqa: E731
-        [getattr(p, name) for p in params], dtype=torch.float32, device=device
-    )[:, None]  # (R, 1)
+        [getattr(p, name) for p in params], dtype=torch.float32
+    ).to(device, non_blocking=True)[:, None]  # (R, 1)
+    logits = logits.float()
     repetition = column("repetition_penalty")
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
+    logits = torch.where(seen, penalized, logits)  # a new tensor: the caller's stays raw
     logits -= column("frequency_penalty") * output_counts
     logits -= column("presence_penalty") * (output_counts > 0)
     return logits
@@ -135,67 +360,15 @@ class TokenLogprobs:
 def token_logprobs(
     logits: torch.Tensor, token_ids: list[int], ks: list[int]
 ) -> list[TokenLogprobs]:
-    """logits (R, V) raw; per row, its sampled token's logprob and its top ks[row] alternatives."""
+    """logits (R, V) raw; per row, its sampled token's logprob and its top ks[row] alternatives.
+    Two device-to-host copies for the whole batch (values, then ids), none per row."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0]
-    top = logprobs.topk(max(ks), dim=-1) if max(ks) > 0 else None
+    chosen = torch.tensor(token_ids, dtype=torch.long).to(logits.device, non_blocking=True)
+    top = logprobs.topk(min(max(ks), logits.shape[-1]), dim=-1)  # (R, K); K = 0: empty
+    values = torch.cat([logprobs.gather(1, chosen[:, None]), top.values], dim=1).tolist()
+    ids = top.indices.tolist()
     result = []
-    for row, (token_id, k) in enumerate(zip(token_ids, ks, strict=True)):
-        alternatives = ()
-        if k > 0:
-            ids, values = top.indices[row, :k].tolist(), top.values[row, :k].tolist()
-            alternatives = tuple(zip(ids, values, strict=True))
-        result.append(TokenLogprobs(token_id, float(chosen[row]), alternatives))
+    for token_id, k, row_values, row_ids in zip(token_ids, ks, values, ids, strict=True):
+        top_k = tuple(zip(row_ids[:k], row_values[1 : k + 1], strict=True))
+        result.append(TokenLogprobs(token_id, row_values[0], top_k))
     return result
-
-
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """True where a token falls outside the k largest logits. logits: (..., V)."""
-    kth_largest = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1:]
-    return logits < kth_largest
-
-
-def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """True where a token falls outside the nucleus: the smallest top set with mass >= p."""
-    probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
-    drop_sorted = mass_before >= p  # the nucleus was already complete without this token
-    drop_sorted[..., 0] = False  # the most likely token stays, even when p rounds to 0 in fp32
-    return drop_sorted.scatter(-1, order, drop_sorted)
-
-
-def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """True where a token's probability is below min_p times the top token's."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    return probs < min_p * probs.max(dim=-1, keepdim=True).values
-
-
-def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The logits the sampler draws from: temperature-scaled, filtered tokens set to -inf."""
-    logits = logits.float() / max(params.temperature, MIN_TEMPERATURE)
-    if params.top_k is not None:
-        logits = logits.masked_fill(top_k_mask(logits, params.top_k), float("-inf"))
-    if params.top_p < 1.0:
-        logits = logits.masked_fill(top_p_mask(logits, params.top_p), float("-inf"))
-    if params.min_p > 0.0:
-        logits = logits.masked_fill(min_p_mask(logits, params.min_p), float("-inf"))
-    return logits
-
-
-class Sampler:
-    """Draws tokens for one request with its own random stream."""
-
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
-        self.params = params
-        self.generator = torch.Generator(device=device)
-        if params.seed is None:
-            self.generator.seed()  # a fresh nondeterministic seed, not torch's fixed default
-        else:
-            self.generator.manual_seed(params.seed)
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: (V,) -> the chosen token id."""
-        if self.params.greedy:
-            return int(logits.argmax())
-        probs = torch.softmax(filtered_logits(logits, self.params), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))

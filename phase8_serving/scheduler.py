@@ -12,21 +12,30 @@ With chunked prefill a prompt larger than the remaining budget takes what is lef
 continues next step; without it, a prompt waits until it fits whole.
 When a running sequence cannot get KV room, the most recently admitted sequence is preempted
 (LIFO, like an OOM killer picking the newest process): its cache is freed and it goes back to the
-front of the waiting queue, to be recomputed from scratch.
+front of the waiting queue, to be recomputed from scratch. With preemption_mode="swap" its blocks
+are copied to a CPU pool instead, and it waits in `swapped` with its computed tokens intact,
+to be copied back before any new request is admitted (when the CPU pool is full, it is
+recomputed). A sequence alone in the pool always finds room, so it never preempts itself.
+Admission keeps a watermark: a newcomer is admitted only if there is room for all its tokens (not
+just this step's chunk) and, besides, one free block per running sequence (the newcomer included),
+so the next steps do not have to evict what this step took in. (vLLM keeps 1% of the cache free; one
+block per sequence is what our small pools need.) After a preemption nobody is admitted in the same
+step: memory is short.
 
-Phase 5: KV room is counted in blocks (block_manager.py). On admission the longest cached prefix
-of the sequence's tokens is mapped from the prefix cache and counted as computed, so only the rest
-is scheduled; a preempted sequence often finds its own old blocks still cached.
+Since phase 4: KV room is counted in blocks (block_manager.py). On admission the longest cached
+prefix of the sequence's tokens is mapped from the prefix cache and counted as computed, so only
+the rest is scheduled; a preempted sequence often finds its own old blocks still cached.
 
 Invariants (check_invariants): every running sequence has a block table and no other sequence has
-one; running <= max_num_seqs; waiting sequences have num_computed_tokens == 0.
+one; running <= max_num_seqs; waiting sequences have num_computed_tokens == 0; swapped sequences
+hold CPU blocks for exactly their computed tokens, and no other sequence holds any.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, PreemptionMode
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -35,6 +44,9 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (GPU block, CPU block) and (CPU block, GPU block) copies to make before the step runs
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -47,22 +59,26 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.swapped: deque[Sequence] = deque()  # preempted with their blocks on the CPU
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # memory is tight when someone was just preempted: admit nobody
-            self._admit_waiting(out, budget)
+            budget = self._swap_in(out, budget)
+            if not self.swapped:  # the swapped-out ones were admitted before: they go first
+                self._admit_waiting(out, budget)
         return out
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+    # exercise 4.1: the token budget and chunked prefill
+    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+        """How many of a sequence's `remaining` uncomputed tokens run this step."""
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
@@ -71,12 +87,12 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            num_new = self._num_new_tokens(seq, budget)
+            num_new = self._num_new_tokens(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:
                 continue
             while not self.block_manager.can_append_slots(seq, num_new):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is seq:
                     return budget  # everyone admitted after `seq` is already gone too
@@ -89,13 +105,19 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.match_prefix(seq)
-            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
-            num_new = self._num_new_tokens(seq, budget)
-            num_tokens = seq.num_computed_tokens + num_new
-            if num_new == 0 or not self.block_manager.can_allocate(cached, num_tokens):
-                seq.num_computed_tokens = 0  # stays waiting, with nothing computed
+            num_computed = len(cached) * self.block_manager.block_size
+            num_new = self._num_new_tokens(seq.num_tokens - num_computed, budget)
+            # One block per running sequence and one for the newcomer; none if it will run alone:
+            # it then has the whole pool, and a request that fits the pool must always get in.
+            watermark = len(self.running) + 1 if self.running else 0
+            # Room for all its tokens, not just this step's chunk: admitted for a first chunk only,
+            # it would be evicted by its own next chunk, again and again.
+            if num_new == 0 or not self.block_manager.can_allocate(
+                cached, seq.num_tokens, watermark
+            ):
                 return  # first come, first served: nobody overtakes the head of the queue
-            self.block_manager.allocate(seq, cached, num_tokens)
+            seq.num_computed_tokens = num_computed  # the cached prefix counts as computed
+            self.block_manager.allocate(seq, cached, num_computed + num_new)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -103,8 +125,30 @@ class Scheduler:
             out.admitted.append(seq)
             budget -= num_new
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = self._num_new_tokens(seq.num_tokens - seq.num_computed_tokens, budget)
+            watermark = len(self.running) + 1 if self.running else 0  # as for admission
+            remaining = seq.num_tokens - seq.num_computed_tokens  # all of it, as for admission
+            if num_new == 0 or not self.block_manager.can_swap_in(seq, remaining, watermark):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.block_manager.swap_in(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        swap = self.config.preemption_mode == PreemptionMode.SWAP
+        if swap and self.block_manager.can_swap_out(seq):
+            out.blocks_to_swap_out += self.block_manager.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            return
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0  # recompute: its keys/values are gone
@@ -117,6 +161,9 @@ class Scheduler:
             self.block_manager.free(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.block_manager.free_swapped(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -131,3 +178,9 @@ class Scheduler:
             assert len(table) * self.block_manager.block_size >= seq.num_computed_tokens
         for seq in self.waiting:
             assert seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0
+        assert set(self.block_manager.cpu_block_tables) == {s.seq_id for s in self.swapped}
+        for seq in self.swapped:
+            assert seq.status == SequenceStatus.SWAPPED
+            assert len(self.block_manager.cpu_block_tables[seq.seq_id]) == -(
+                -seq.num_computed_tokens // self.block_manager.block_size
+            )

@@ -8,7 +8,8 @@ the number of tokens whose keys/values are in the KV cache. There is no "prefill
 by some amount; when it catches up, the model's output for the last token is sampled and appended.
 
 Lifecycle: WAITING -> RUNNING -> FINISHED, and RUNNING -> WAITING when preempted (its cache is
-dropped and `num_computed_tokens` goes back to 0: the tokens are recomputed later).
+dropped and `num_computed_tokens` goes back to 0: the tokens are recomputed later), or
+RUNNING -> SWAPPED -> RUNNING when preempted in swap mode (its blocks wait in CPU memory).
 
 Invariants: 0 <= num_computed_tokens <= num_tokens; num_tokens = num_prompt_tokens + outputs.
 """
@@ -21,6 +22,7 @@ from .sampling import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks copied to the CPU (phase 5, swap mode)
     FINISHED = "finished"
 
 
@@ -58,11 +60,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def max_len(self) -> int:
-        """The most tokens this sequence can ever hold (prompt + max_tokens)."""
-        return self.num_prompt_tokens + self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:

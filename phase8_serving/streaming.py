@@ -7,7 +7,9 @@ found, the engine cuts the text before it, so characters that might be the start
 tokens is already held back by the incremental detokenizer.
 Idea: `DeltaTracker` remembers how much of the text and how many tokens it has handed out. While
 the request runs, it holds back the longest tail of the text that is the beginning of some stop
-string; once the request has finished, the text is final and everything left goes out.
+string; once the request has finished, the text is final and everything left goes out. (The
+engine's own outputs already hold back len(stop) - 1 characters of a running request; the tracker
+does not rely on that, so it is correct for any text that grows and is cut only at a stop.)
 
 Invariant: the concatenated text deltas equal the final text, and every delta is a piece of it
 (nothing shown is ever withdrawn); token deltas, likewise, concatenate to the final token ids.

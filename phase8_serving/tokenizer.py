@@ -13,7 +13,8 @@ Idea:
   phase 0 loads in 1.8 s and encodes unseen text at ~3k tokens/s; `tokenizers` takes 0.7 s and
   ~290k tokens/s, with identical ids;
 - render the chat template with the same sandboxed Jinja environment transformers uses, so the
-  prompt text is byte-identical to `apply_chat_template(..., tokenize=False)`;
+  prompt text is byte-identical to `apply_chat_template(..., tokenize=False)`; `check_conversations`
+  refuses malformed messages first, with their position, instead of a Jinja traceback;
 - detokenize incrementally with vLLM's two offsets: decode a short window of recent tokens and
   emit only what it adds, holding back while the window ends in U+FFFD (an unfinished character).
 
@@ -105,6 +106,37 @@ class Tokenizer:
         )
 
 
+def check_conversations(messages: object) -> list[list[dict[str, Any]]]:
+    """`chat`'s messages as a list of conversations, each checked before any template runs:
+    a non-empty list of {"role": str, "content": str} dicts (transformers also refuses an empty
+    conversation). One conversation or a list of them, told apart by the first item."""
+    if not isinstance(messages, list | tuple):
+        raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+    single = not messages or isinstance(messages[0], dict)
+    conversations = [messages] if single else list(messages)
+    for i, conversation in enumerate(conversations):
+        where = "messages" if single else f"messages[{i}]"
+        if not isinstance(conversation, list | tuple):
+            kind = type(conversation).__name__
+            raise TypeError(f"{where} must be a list of message dicts, got {kind}")
+        if not conversation:
+            raise ValueError(f"{where} is an empty conversation")
+        for j, message in enumerate(conversation):
+            check_message(f"{where}[{j}]", message)
+    return conversations
+
+
+def check_message(where: str, message: object) -> None:
+    if not isinstance(message, dict):
+        raise TypeError(f"{where} must be a dict with 'role' and 'content', got {message!r}")
+    if not isinstance(message.get("role"), str):
+        raise TypeError(f"{where}['role'] must be a str, got {message.get('role')!r}")
+    content = message.get("content")
+    # OpenAI clients send content None beside tool calls; the template renders those.
+    if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+        raise TypeError(f"{where}['content'] must be a str, got {content!r}")
+
+
 def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
     """What transformers does to a message before rendering, so both render the same prompt."""
     # None-valued keys are dropped (OpenAI clients send content=None beside tool calls).
@@ -186,6 +218,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.output_text = ""
 
+    # exercise 6.2: incremental detokenization
     def add_tokens(self, new_ids: Iterable[int]) -> str:
         """Append generated ids; return the text they complete ("" while a character is split)."""
         self.token_ids.extend(new_ids)

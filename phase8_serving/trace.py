@@ -35,7 +35,7 @@ class StepRecord:
 class StepTrace:
     steps: list[StepRecord] = field(default_factory=list)
 
-    def record(self, start: float, end: float, out, finished, allocator: BlockManager) -> None:
+    def record(self, start: float, end: float, out, finished, block_manager: BlockManager) -> None:
         prefill, decode = {}, []
         for seq, num_new in out.scheduled:
             # `num_computed_tokens` was already advanced by the engine when this is called.
@@ -54,13 +54,14 @@ class StepTrace:
                 admitted=[s.seq_id for s in out.admitted],
                 preempted=[s.seq_id for s in out.preempted],
                 finished=[s.seq_id for s in finished],
-                kv_used=allocator.num_used_slots,
-                kv_reserved=allocator.num_reserved_slots,
+                kv_used=block_manager.num_used_slots,
+                kv_reserved=block_manager.num_reserved_slots,
             )
         )
 
-    def to_chrome(self, path: str | Path) -> None:
-        """Writes Chrome trace-event JSON: a slice per sequence per step, instants for events."""
+    def to_chrome(self, path: str | Path, summary: dict | None = None) -> None:
+        """Writes Chrome trace-event JSON: a slice per sequence per step, instants for events;
+        `summary` goes under the format's free-form "otherData" key (Perfetto shows it)."""
         t0 = self.steps[0].start if self.steps else 0.0
         us = lambda t: (t - t0) * 1e6  # noqa: E731
         events = []
@@ -79,7 +80,7 @@ class StepTrace:
                 {"name": "kv slots", "ph": "C", "pid": 1, "ts": us(r.start),
                  "args": {"used": r.kv_used, "reserved": r.kv_reserved}}
             )  # fmt: skip
-        Path(path).write_text(json.dumps({"traceEvents": events}))
+        Path(path).write_text(json.dumps({"traceEvents": events, "otherData": summary or {}}))
 
     def plot(self, path: str | Path, title: str = "scheduler steps") -> None:
         """Draws steps (x) x sequences (y): blue = prefill, green = decode, red x = preempted."""

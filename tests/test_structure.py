@@ -61,6 +61,8 @@ DIFFED_PHASES = (
     "phase4_scheduler",
     "phase5_paged",
     "phase6_qwen3",
+    "phase7_optim",
+    "phase8_serving",
 )
 NOT_PART_OF_THE_DIFF = {"README.md"}  # each README tells its own lesson
 WHAT_TO_DIFF_ITEM = re.compile(r"^\d+\.\s+`([^`]+)`(.*)$")

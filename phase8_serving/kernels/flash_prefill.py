@@ -61,6 +61,7 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
 
+# exercise 7.1: the online softmax over key tiles
 @triton.jit
 def _attn_tiles(
     acc,

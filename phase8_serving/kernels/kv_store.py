@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-PAD_SLOT_ID = -1  # slot_mapping entry of a padded token: nothing is written for it
+from ..attention import PAD_SLOT_ID  # the engine's padding: nothing is written for it
 
 
 @triton.jit
@@ -78,7 +78,8 @@ def store_kvcache(
 ) -> None:
     """Write `k`, `v` (`[num_tokens, num_kv_heads, head_dim]`) into the caches in place.
 
-    `slot_mapping` is int64 `[num_tokens]`; entries equal to PAD_SLOT_ID are skipped.
+    `slot_mapping` is int32 `[num_tokens]` (the engine's METADATA_DTYPE; int64 works too); entries
+    equal to PAD_SLOT_ID are skipped.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     block_size = k_cache.shape[1]

@@ -17,8 +17,12 @@ Idea (vLLM's PagedAttention v2, FlashDecoding):
 
 Invariants:
 - the query of sequence i is position seq_len_i - 1: it sees keys 0 … seq_len_i - 1, all of them.
-- split s covers positions [s * tokens_per_split, min((s + 1) * tokens_per_split, seq_len)); a
-  split past the end of a short sequence is empty, writes lse = -inf and gets weight 0.
+  A padded row (seq_len 0, what fills a CUDA graph's fixed batch) reads no key and outputs 0.
+- split s covers positions [s * tokens_per_split, min((s + 1) * tokens_per_split, seq_len)), with
+  tokens_per_split = seq_len / num_splits rounded up to whole key tiles, per sequence: the
+  launch fixes only the number of splits, so a CUDA graph captured for the longest context still
+  spreads a short one over all its splits; a split past the end of a sequence (one shorter than
+  num_splits key tiles) is empty, writes lse = -inf and gets weight 0.
 - lse is in log2 units, like the scores (scale is pre-multiplied by log2(e)).
 """
 
@@ -72,7 +76,6 @@ def _paged_decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
-    tokens_per_split,
     stride_qs,
     stride_qh,
     stride_kcb,
@@ -97,6 +100,7 @@ def _paged_decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * tokens_per_split
     hi = tl.minimum(seq_len, lo + tokens_per_split)
 
@@ -143,6 +147,7 @@ def _paged_decode_split_kernel(
     tl.store(lse_ptrs, lse, mask=offs_h < QUERY_GROUP_SIZE)
 
 
+# exercise 7.2: merging split-K partial results
 @triton.jit
 def _paged_decode_reduce_kernel(
     part_out_ptr,
@@ -166,11 +171,15 @@ def _paged_decode_reduce_kernel(
     split_mask = offs_s < num_splits
     lse_ptrs = part_lse_ptr + seq * stride_lses + head * stride_lseh + offs_s
     lse = tl.load(lse_ptrs, mask=split_mask, other=float("-inf"))
-    weight = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    lse_max = tl.max(lse, 0)
+    # a padded row (seq_len 0) has only empty splits: every weight 0, output 0, never NaN
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.math.exp2(lse - lse_max)  # an empty split: exp2(-inf) = 0
     part_ptrs = part_out_ptr + seq.to(tl.int64) * stride_pos + head * stride_poh
     part_ptrs += offs_s[:, None] * stride_pop + offs_d[None, :]
     parts = tl.load(part_ptrs, mask=split_mask[:, None], other=0.0)  # (BLOCK_SPLITS, HEAD_DIM)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    weight_sum = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(weight_sum > 0, weight_sum, 1.0)
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
@@ -187,7 +196,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[num_seqs, H, D]`, over its paged context.
 
-    seq_lens: int32 `[num_seqs]`, context length including this step's token (>= 1).
+    seq_lens: int32 `[num_seqs]`, context length including this step's token (0: a padded row).
     block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
     num_splits: None picks one from the batch and `max_blocks_per_seq * block_size` (an upper
     bound on the context read without a device sync).
@@ -209,8 +218,6 @@ def paged_decode_attention(
             else INTERPRETER_NUM_SMS
         )
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), config.block_n)
-    tokens_per_split *= config.block_n  # whole key tiles per split
 
     out = torch.empty_like(q)
     if num_seqs == 0:
@@ -220,7 +227,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse,
-        scale * LOG2_E, tokens_per_split,
+        scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

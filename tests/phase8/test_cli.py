@@ -14,7 +14,7 @@ import pytest
 
 from phase8_serving import LLM, SamplingParams
 from phase8_serving.cli import build_parser, chat, engine_kwargs, main, resolve_max_model_len
-from phase8_serving.config import EngineConfig
+from phase8_serving.config import EngineConfig, PreemptionMode
 
 SERVE_STARTUP_S = 120  # import + load on a busy 2-core machine
 
@@ -28,6 +28,20 @@ def test_every_engine_config_field_is_a_flag():
     config = EngineConfig(**kwargs)
     assert (config.max_num_seqs, config.block_size, config.enable_prefix_caching) == (3, 8, False)
     assert (args.model, args.host, args.port) == ("m", "127.0.0.1", 8000)
+
+
+def test_phase7_engine_flags_reach_the_config():
+    args = build_parser().parse_args(
+        ["serve", "--tensor-parallel-size", "2", "--load-format", "dummy", "--enforce-eager",
+         "--preemption-mode", "recompute"]
+    )  # fmt: skip
+    config = EngineConfig(**engine_kwargs(args))
+    assert (config.tensor_parallel_size, config.load_format, config.enforce_eager) == (
+        2, "dummy", True,
+    )  # fmt: skip
+    assert config.preemption_mode == PreemptionMode.RECOMPUTE
+    with pytest.raises(SystemExit):  # argparse names the choices
+        build_parser().parse_args(["serve", "--preemption-mode", "drop"])
 
 
 def test_bad_engine_flag_is_a_one_line_error(tiny_dir):

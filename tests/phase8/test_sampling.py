@@ -1,21 +1,13 @@
 """Phase 8 sampling: penalties against their reference formula, logprobs against log_softmax,
-and the numeric edges a fuzzer found (a top_p or temperature too small for float32)."""
+and the runner applying both around phase 7's batched sampler."""
 
-import math
 import random
 
 import pytest
 import torch
 
 from phase8_serving.model_runner import ModelRunner
-from phase8_serving.sampling import (
-    Sampler,
-    SamplingParams,
-    apply_penalties,
-    filtered_logits,
-    token_logprobs,
-    top_p_mask,
-)
+from phase8_serving.sampling import SamplingParams, apply_penalties, token_logprobs
 from phase8_serving.sequence import Sequence
 
 VOCAB = 50
@@ -69,17 +61,41 @@ def sequence(prompt: list[int], output: list[int], params: SamplingParams) -> Se
     return seq
 
 
+def bare_runner() -> ModelRunner:
+    runner = ModelRunner.__new__(ModelRunner)  # sample() uses only the generators and the device
+    runner.generators, runner.device = {}, torch.device("cpu")
+    return runner
+
+
 def test_runner_penalizes_before_the_greedy_choice():
-    runner = ModelRunner.__new__(ModelRunner)  # sample() uses only samplers and the device
-    runner.samplers, runner.device = {}, torch.device("cpu")
+    runner = bare_runner()
     logits = torch.zeros(1, VOCAB)
     logits[0, 7], logits[0, 9] = 5.0, 4.0  # 7 wins unless penalized
-    plain = SamplingParams(temperature=0.0)
-    assert runner.sample(logits, [sequence([1], [7], plain)])[0].token_id == 7
-    penalized = SamplingParams(temperature=0.0, presence_penalty=2.0)
-    assert runner.sample(logits, [sequence([1], [7], penalized)])[0].token_id == 9
+    chosen = lambda params, prompt, output: runner.sample(  # noqa: E731
+        logits, [sequence(prompt, output, params)]
+    ).token_ids.tolist()
+    assert chosen(SamplingParams(temperature=0.0), [1], [7]) == [7]
+    assert chosen(SamplingParams(temperature=0.0, presence_penalty=2.0), [1], [7]) == [9]
     by_prompt = SamplingParams(temperature=0.0, repetition_penalty=2.0)  # 7 in the prompt
-    assert runner.sample(logits, [sequence([7], [], by_prompt)])[0].token_id == 9
+    assert chosen(by_prompt, [7], []) == [9]
+
+
+def test_runner_penalizes_the_sampled_rows():
+    """A sampled (not greedy) row draws from the penalized distribution: token 7 is nearly
+    certain without penalties, and never drawn once frequency_penalty pushes it 200 down."""
+    runner = bare_runner()
+    logits = torch.zeros(4, VOCAB)
+    logits[:, 7] = 10.0  # probability e^10 / (e^10 + 49): 0.998
+
+    def draw(**penalty) -> list[int]:
+        seqs = [sequence([1], [7] * 100, SamplingParams(seed=i, **penalty)) for i in range(4)]
+        for i, seq in enumerate(seqs):
+            seq.seq_id = i
+        runner.generators.clear()
+        return runner.sample(logits, seqs).token_ids.tolist()
+
+    assert draw() == [7] * 4
+    assert 7 not in draw(frequency_penalty=2.0)
 
 
 def test_logprobs_are_the_raw_log_softmax():
@@ -97,15 +113,15 @@ def test_logprobs_are_the_raw_log_softmax():
 
 
 def test_runner_returns_logprobs_only_when_asked():
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.samplers, runner.device = {}, torch.device("cpu")
+    runner = bare_runner()
     logits = torch.randn(2, VOCAB)
     seqs = [
-        sequence([1], [], SamplingParams(temperature=0.0, logprobs=3)),
+        sequence([1], [], SamplingParams(temperature=0.0, logprobs=3, presence_penalty=1.0)),
         sequence([1], [], SamplingParams(temperature=0.0)),
     ]
     seqs[1].seq_id = 1
-    first, second = runner.sample(logits, seqs)
+    sampled = runner.sample(logits, seqs)
+    first, second = runner.with_logprobs(sampled, sampled.token_ids.tolist())
     assert second.logprobs is None
     assert first.logprobs.token_id == first.token_id == int(logits[0].argmax())
     assert len(first.logprobs.top_logprobs) == 3
@@ -122,16 +138,3 @@ def test_runner_returns_logprobs_only_when_asked():
 def test_bad_new_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
-
-
-def test_top_p_below_float32_resolution_keeps_the_top_token():
-    logits = torch.tensor([0.0, 2.0, 1.0])
-    assert top_p_mask(logits, 5e-324).tolist() == [True, False, True]
-
-
-def test_tiny_temperature_samples_without_nan():
-    params = SamplingParams(temperature=1e-300, seed=0)
-    logits = torch.tensor([0.0, 30.0, 29.0])
-    assert filtered_logits(logits, params).isfinite().any()
-    assert Sampler(params)(logits) == 1
-    assert math.isfinite(filtered_logits(logits, params).max().item())

@@ -1,0 +1,51 @@
+"""`mini-vllm bench`: the serving client against the live test server, and the offline
+throughput and latency benchmarks on the tiny checkpoint, each through the command line."""
+
+import json
+
+from phase8_serving.cli import main
+
+TOKEN_ID_LIMIT = "256"  # the tiny checkpoint's byte tokens (its vocabulary is 259)
+
+
+def test_bench_serve_measures_every_request(live_server, tmp_path):
+    out = tmp_path / "serve.json"
+    main(["bench", "serve", "--base-url", live_server.base_url, "--model", "tiny",
+          "--num-prompts", "8", "--random-input-len", "8", "--random-output-len", "4",
+          "--random-token-id-limit", TOKEN_ID_LIMIT, "--ignore-eos",
+          "--request-rate", "40", "inf", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    requested = result["dataset"]["requested_output_tokens"]
+    assert [run["request_rate"] for run in result["runs"]] == [40.0, "inf"]
+    for run in result["runs"]:
+        assert (run["completed"], run["failed"]) == (8, 0), run["errors"]
+        # token-id prompts and ignore_eos reached the engine: every request ran to max_tokens
+        assert run["total_output_tokens"] == requested
+        ttft, e2el = run["ttft_ms"], run["e2el_ms"]
+        assert 0 < ttft["p50"] <= ttft["p99"] and ttft["mean"] <= e2el["mean"]
+    assert out.with_suffix(".png").stat().st_size > 0  # latency against load, one point a rate
+    live_server.wait_until_idle(timeout=5)
+
+
+def test_bench_serve_counts_failures_instead_of_crashing(live_server, tmp_path):
+    out = tmp_path / "serve.json"
+    main(["bench", "serve", "--base-url", live_server.base_url, "--model", "no-such-model",
+          "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2",
+          "--random-token-id-limit", TOKEN_ID_LIMIT, "--out", str(out)])  # fmt: skip
+    (run,) = json.loads(out.read_text())["runs"]
+    assert (run["completed"], run["failed"]) == (0, 2)
+    assert "HTTP 404" in run["errors"][0]
+
+
+def test_bench_throughput_and_latency_run_the_engine(tiny_dir, tmp_path):
+    engine = ["--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu",
+              "--random-token-id-limit", TOKEN_ID_LIMIT, "--max-num-seqs", "4"]  # fmt: skip
+    main(["bench", "throughput", *engine, "--num-prompts", "4", "--input-len", "8",
+          "--output-len", "4", "--out", str(tmp_path / "throughput.json")])  # fmt: skip
+    throughput = json.loads((tmp_path / "throughput.json").read_text())
+    assert throughput["num_prompts"] == 4 and throughput["output_tok_s"] > 0
+    main(["bench", "latency", *engine, "--batch-size", "2", "--input-len", "8",
+          "--output-len", "3", "--num-iters", "2", "--num-iters-warmup", "0",
+          "--out", str(tmp_path / "latency.json")])  # fmt: skip
+    latency = json.loads((tmp_path / "latency.json").read_text())
+    assert len(latency["latencies_s"]) == 2 and latency["avg_latency_s"] > 0

@@ -1,0 +1,52 @@
+"""Phase 8's `LLM` says exactly what phase 7's says: identical token ids.
+
+Phase 8 adds serving around phase 7's engine and changes the engine only where a request asks for
+penalties or logprobs; a request that asks for neither runs phase 7's code, so its tokens are the
+same, bit for bit (same checkpoint, same float32 kernels: no tolerance is involved). Checked on
+the tiny Qwen3 of conftest.py under phase 7's engine configurations (chunked prefill, an odd block
+size, preemption), greedy and seeded sampling; asking for logprobs must not change a token
+either, and a greedy token's logprob is its top alternative's.
+"""
+
+import pytest
+
+import phase7_optim
+import phase8_serving
+
+PROMPTS = [[1, 2, 3, 4, 5], [100, 7], [42] * 17, list(range(200, 231)), [258, 72, 105]]
+MAX_TOKENS = 12
+ENGINE_CONFIGS = {
+    "default": {},
+    "tiny_chunks": {"max_num_batched_tokens": 5},
+    "block_size_7": {"block_size": 7, "max_num_batched_tokens": 16},
+    "heavy_preemption": {"block_size": 4, "num_kv_blocks": 12},  # 48 slots: one request at a time
+}
+SAMPLING = {
+    "greedy": dict(temperature=0.0),
+    "seeded": dict(temperature=0.8, top_p=0.9, seed=7),
+}
+
+
+def outputs(module, directory, engine_kwargs: dict, **params):
+    llm = module.LLM(directory, dtype="float32", device="cpu", **engine_kwargs)
+    sampling = module.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **params)
+    return [o.outputs[0] for o in llm.generate(PROMPTS, sampling, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
+def test_token_ids_equal_phase7(name, sampling, tiny_dir):
+    config, params = ENGINE_CONFIGS[name], SAMPLING[sampling]
+    expected = [o.token_ids for o in outputs(phase7_optim, tiny_dir, config, **params)]
+    assert [o.token_ids for o in outputs(phase8_serving, tiny_dir, config, **params)] == expected
+
+
+def test_logprobs_change_no_token(tiny_dir):
+    expected = [o.token_ids for o in outputs(phase7_optim, tiny_dir, {}, temperature=0.0)]
+    actual = outputs(phase8_serving, tiny_dir, {}, temperature=0.0, logprobs=2)
+    assert [o.token_ids for o in actual] == expected
+    for completion in actual:
+        assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
+        for lp in completion.logprobs:
+            (top_id, top_logprob), _ = lp.top_logprobs
+            assert (top_id, top_logprob) == (lp.token_id, lp.logprob)
