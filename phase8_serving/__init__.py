@@ -3,7 +3,7 @@
 Phase 7's engine behind an OpenAI-compatible HTTP server: the engine loop runs in a background
 thread (`async_engine.AsyncLLM`), each request gets an async stream of outputs, and a FastAPI app
 (`api_server.build_app`) speaks /v1/completions and /v1/chat/completions, streaming included, to
-any OpenAI client. `mini-vllm serve|generate|chat` (cli.py) is the command line. The engine
+any OpenAI client. `mini-vllm serve|generate|chat|bench` (cli.py) is the command line. The engine
 gains what clients ask for: presence/frequency/repetition penalties and logprobs.
 The server's modules (which need fastapi, uvicorn, prometheus_client) are not imported here, so
 the offline `LLM` works without them. Importing this package only defines things.

@@ -18,6 +18,7 @@ given with `--goodput`. Output tokens are the server's own count (`usage`, reque
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import platform
@@ -271,6 +272,7 @@ def plot_serve(runs: list[dict], path: Path) -> None:
 
 
 def run_serve(args) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury results
     requests = random_dataset(
         args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
         args.seed, args.random_token_id_limit,

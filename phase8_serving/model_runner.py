@@ -283,11 +283,13 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, scheduled: list[tuple[Sequence, int]], step: PreparedStep) -> SampledBatch:
-        """Forward and sampling, queued on the device: the token ids (R,) of the sampling rows."""
+        """Forward and sampling, queued on the device: -> token ids (R,) of the sampling rows."""
         if self.model.tp.size > 1:  # tensor parallelism: the other ranks run this step too
             send_step(self, step)
         logits = self.forward(step)
         chosen = [s for (s, _), f in zip(scheduled, step.samples.tolist(), strict=True) if f]
+        if not chosen:
+            return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device), logits, [])
         return self.sample(logits, chosen)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
@@ -299,13 +301,9 @@ class ModelRunner:
                 logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                 params,
             )  # fmt: skip
-        if not seqs:
-            token_ids = torch.empty(0, dtype=torch.long, device=self.device)
-        else:
-            generators = [self._generator(s) for s in seqs]
-            batch = SamplingBatch.build(params, generators, logits.shape[-1], self.device)
-            token_ids = sample_batch(logits, batch)
-        return SampledBatch(token_ids, raw_logits, [p.logprobs for p in params])
+        generators = [self._generator(s) for s in seqs]
+        batch = SamplingBatch.build(params, generators, logits.shape[-1], self.device)
+        return SampledBatch(sample_batch(logits, batch), raw_logits, [p.logprobs for p in params])
 
     @torch.no_grad()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
