@@ -56,7 +56,7 @@ def byte_level_tokenizer():
     return tokenizer
 
 
-def save_tiny_checkpoint(directory: Path) -> Path:
+def save_tiny_checkpoint(directory: Path, **config_overrides) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = byte_level_tokenizer()
@@ -65,10 +65,10 @@ def save_tiny_checkpoint(directory: Path) -> Path:
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     torch.manual_seed(SEED)
+    settings = {**TINY_CONFIG, "tie_word_embeddings": True, **config_overrides}
     model_config = Qwen3Config(
-        vocab_size=tokenizer.get_vocab_size(), eos_token_id=eos_id, tie_word_embeddings=True,
-        **TINY_CONFIG,
-    )  # fmt: skip
+        vocab_size=tokenizer.get_vocab_size(), eos_token_id=eos_id, **settings
+    )
     Qwen3ForCausalLM(model_config).save_pretrained(directory, safe_serialization=True)
     return directory
 

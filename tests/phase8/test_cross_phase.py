@@ -3,15 +3,18 @@
 Phase 8 adds serving around phase 7's engine and changes the engine only where a request asks for
 penalties or logprobs; a request that asks for neither runs phase 7's code, so its tokens are the
 same, bit for bit (same checkpoint, same float32 kernels: no tolerance is involved). Checked on
-the tiny Qwen3 of conftest.py under phase 7's engine configurations (chunked prefill, an odd block
-size, preemption), greedy and seeded sampling; asking for logprobs must not change a token
-either, and a greedy token's logprob is its top alternative's.
+a tiny 2-layer Qwen3 with spread-out logits (conftest.py's defaults would just repeat the last
+token, which a lost KV cache would too) under phase 7's engine configurations (chunked prefill,
+an odd block size, preemption), greedy and seeded sampling; asking for logprobs must not change a
+token either, and a greedy token's logprob is its top alternative's.
 """
 
 import pytest
 
 import phase7_optim
 import phase8_serving
+
+from .conftest import save_tiny_checkpoint
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 7], [42] * 17, list(range(200, 231)), [258, 72, 105]]
 MAX_TOKENS = 12
@@ -27,6 +30,15 @@ SAMPLING = {
 }
 
 
+@pytest.fixture(scope="module")
+def spread_dir(tmp_path_factory):
+    # Larger initial weights than transformers' 0.02: logits spread out, greedy has clear winners.
+    directory = tmp_path_factory.mktemp("tiny-spread-qwen3")
+    return save_tiny_checkpoint(
+        directory, num_hidden_layers=2, initializer_range=0.2, tie_word_embeddings=False
+    )
+
+
 def outputs(module, directory, engine_kwargs: dict, **params):
     llm = module.LLM(directory, dtype="float32", device="cpu", **engine_kwargs)
     sampling = module.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **params)
@@ -35,15 +47,16 @@ def outputs(module, directory, engine_kwargs: dict, **params):
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
-def test_token_ids_equal_phase7(name, sampling, tiny_dir):
+def test_token_ids_equal_phase7(name, sampling, spread_dir):
     config, params = ENGINE_CONFIGS[name], SAMPLING[sampling]
-    expected = [o.token_ids for o in outputs(phase7_optim, tiny_dir, config, **params)]
-    assert [o.token_ids for o in outputs(phase8_serving, tiny_dir, config, **params)] == expected
+    expected = [o.token_ids for o in outputs(phase7_optim, spread_dir, config, **params)]
+    assert len({tuple(ids) for ids in expected}) == len(PROMPTS)  # the prompts matter
+    assert [o.token_ids for o in outputs(phase8_serving, spread_dir, config, **params)] == expected
 
 
-def test_logprobs_change_no_token(tiny_dir):
-    expected = [o.token_ids for o in outputs(phase7_optim, tiny_dir, {}, temperature=0.0)]
-    actual = outputs(phase8_serving, tiny_dir, {}, temperature=0.0, logprobs=2)
+def test_logprobs_change_no_token(spread_dir):
+    expected = [o.token_ids for o in outputs(phase7_optim, spread_dir, {}, temperature=0.0)]
+    actual = outputs(phase8_serving, spread_dir, {}, temperature=0.0, logprobs=2)
     assert [o.token_ids for o in actual] == expected
     for completion in actual:
         assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
