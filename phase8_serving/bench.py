@@ -273,13 +273,18 @@ def plot_serve(runs: list[dict], path: Path) -> None:
 
 def run_serve(args) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury results
-    requests = random_dataset(
-        args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-        args.seed, args.random_token_id_limit,
-    )  # fmt: skip
     runs = []
-    for rate in args.request_rate:
+    for i, rate in enumerate(args.request_rate):
+        # A fresh dataset per rate (seed + i): the server's prefix cache must not hand a later
+        # rate the prompts an earlier one already computed.
+        requests = random_dataset(
+            args.num_prompts, args.random_input_len, args.random_output_len,
+            args.random_range_ratio, args.seed + i, args.random_token_id_limit,
+        )  # fmt: skip
         run = asyncio.run(_run_at_rate(args, requests, rate))
+        run["seed"] = args.seed + i
+        run["prompt_tokens"] = sum(len(r.prompt_ids) for r in requests)
+        run["requested_output_tokens"] = sum(r.max_tokens for r in requests)
         print(_format_run(run))
         runs.append(run)
     payload = {
@@ -292,9 +297,7 @@ def run_serve(args) -> dict:
             "random_input_len": args.random_input_len,
             "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio,
-            "seed": args.seed,
-            "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
-            "requested_output_tokens": sum(r.max_tokens for r in requests),
+            "seed": f"{args.seed} + the rate's index (a fresh dataset per rate)",
         },
         "goodput_slos_ms": {k: v * 1000 for k, v in parse_slos(args.goodput).items()},
         "runs": runs,
