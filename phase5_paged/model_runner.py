@@ -69,7 +69,7 @@ class ModelRunner:
         )
         return as_tensor(input_ids), as_tensor(positions), batch
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no_grad minus autograd's per-op bookkeeping, as vLLM runs
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
         """One forward step. Returns the sampled token per scheduled sequence (None mid-prompt)."""
         input_ids, positions, batch = self.prepare(scheduled)
