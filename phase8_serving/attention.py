@@ -66,6 +66,9 @@ METADATA_DTYPE = torch.int32  # slots, lengths and block ids of a ForwardBatch
 PAD_SLOT_ID = -1  # slot_mapping entry of a padded row: the KV-store kernel writes nothing for it
 
 
+SDPA_HAS_GQA = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)  # enable_gqa: 2.5
+
+
 @dataclass
 class ForwardBatch:
     """Everything one forward step needs to know about the packed sequences (S of them, N new
@@ -153,6 +156,16 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.transpose(1, 2)
 
 
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """SDPA where each KV head serves its group of query heads. q: (s, H, Q, D); k, v:
+    (s, H_kv, L, D). torch >= 2.5 does it in place (enable_gqa); torch 2.4 needs copies."""
+    if SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def context_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
 ) -> torch.Tensor:
@@ -167,10 +180,7 @@ def context_attention(
         s, q_len, _ = group.visible.shape
         k, v = gather(k_cache, group.slots), gather(v_cache, group.slots)  # (s, H_kv, L, D)
         q_group = q[group.tokens].view(s, q_len, *q.shape[1:]).transpose(1, 2)  # (s, H, Q, D)
-        # enable_gqa: each KV head serves its group of query heads, without copying it.
-        o = F.scaled_dot_product_attention(
-            q_group, k, v, attn_mask=group.visible[:, None], enable_gqa=True
-        )
+        o = sdpa_gqa(q_group, k, v, group.visible[:, None])
         out[group.tokens] = o.transpose(1, 2).flatten(0, 1)
     return out
 

@@ -98,3 +98,16 @@ def test_no_query_is_padded():
     expected += len(decode_lens) * max(decode_lens)
     assert sum(group.visible.numel() for group in batch.attention_groups) == expected
     assert expected < len(STEP) * batch.max_query_len * batch.max_seq_len / 3
+
+
+def test_grouped_kv_heads_without_enable_gqa_give_the_same_attention(monkeypatch):
+    # torch 2.4 has no enable_gqa: the copied-heads path must compute the same thing.
+    from phase4_scheduler import attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.rand(2, 1, 3, 5) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    expected = attention.sdpa_gqa(q, k, v, mask)
+    monkeypatch.setattr(attention, "SDPA_HAS_GQA", False)
+    torch.testing.assert_close(attention.sdpa_gqa(q, k, v, mask), expected)

@@ -15,7 +15,7 @@ from phase7_optim.attention import ForwardBatch, context_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 8, 4
 # (num_computed_tokens, num_new_tokens) per sequence
-STEP = [(0, 6), (7, 5), (9, 1), (2, 1), (0, 1), (14, 1)]
+STEP = [(0, 6), (9, 8), (9, 1), (2, 1), (0, 1), (14, 1)]  # a chunk has the longest context
 ATOL = 1e-5  # float32; the oracle sums in a different order
 
 
@@ -82,7 +82,7 @@ def test_a_sequence_does_not_depend_on_its_step_mates():
     """The chunk after context gives the same output alone as packed with five others."""
     q, k_cache, v_cache, batch, _ = packed_step()
     packed = context_attention(q, k_cache, v_cache, batch)
-    i = STEP.index((7, 5))
+    i = STEP.index((9, 8))
     start, end = batch.query_start_loc[i : i + 2].tolist()
     alone = ForwardBatch(
         query_start_loc=torch.tensor([0, end - start]),
@@ -96,3 +96,15 @@ def test_a_sequence_does_not_depend_on_its_step_mates():
     )
     out = context_attention(q[start:end], k_cache, v_cache, alone)
     torch.testing.assert_close(out, packed[start:end], atol=ATOL, rtol=0)
+
+
+def test_no_query_is_padded():
+    """The attention masks cover the sum of q_len * seq_len over prompt chunks plus the decodes
+    padded to the longest decode context, not S * max_query_len * max_seq_len."""
+    *_, batch, _ = packed_step()
+    chunks = [(n, c + n) for c, n in STEP if n > 1]
+    decode_lens = [c + n for c, n in STEP if n == 1]
+    expected = sum(q_len * seq_len for q_len, seq_len in chunks)
+    expected += len(decode_lens) * max(decode_lens)
+    assert sum(group.visible.numel() for group in batch.attention_groups) == expected
+    assert expected < len(STEP) * batch.max_query_len * batch.max_seq_len / 3
