@@ -241,8 +241,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--out",
         type=Path,
-        help="JSON path (the PNG goes next to it); default: roofline_<device>.json in a scratch "
-        "directory. benchmarks/results/roofline_<device>.json is the committed result.",
+        help="a directory (roofline_<device>.json and .png go into it) or a .json path; default: "
+        "a scratch directory. benchmarks/results holds the committed results.",
     )
     parser.add_argument(
         "--quick", action="store_true", help=f"batches {QUICK_BATCHES}, shapes {QUICK_SHAPES}"
@@ -254,7 +254,9 @@ def main():
     args = parse_args()
     set_threads(args.threads)
     device = torch.device(args.device)
-    out = args.out or Path(tempfile.gettempdir()) / "mini-vllm" / f"roofline_{device.type}.json"
+    out = args.out or Path(tempfile.gettempdir()) / "mini-vllm"
+    if out.suffix != ".json":  # a directory, like every benchmark's --out
+        out = out / f"roofline_{device.type}.json"
     clock = Clock(device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on the GPU too
