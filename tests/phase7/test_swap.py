@@ -3,7 +3,7 @@ recompute under a tight KV cache give the tokens of an unpressured run, and real
 
 import pytest
 
-from phase7_optim import LLM, SamplingParams, StepTrace
+from phase7_optim import LLM, EngineConfig, SamplingParams, StepTrace
 
 PROMPTS = [list(range(100, 100 + n)) for n in (5, 23, 11, 17)]
 MAX_TOKENS = 12
@@ -40,3 +40,11 @@ def test_preemption_modes_give_the_unpressured_tokens(tiny_qwen3_tied_dir, unpre
     )  # fmt: skip
     assert tokens == unpressured
     assert preemptions > 0 and swapped == (mode == "swap")
+
+
+def test_swap_is_refused_under_tensor_parallelism():
+    # Only rank 0 schedules, so only rank 0 would copy its blocks to the CPU pool: the other
+    # ranks' KV heads would be lost. The config says so before anything is spawned.
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(preemption_mode="swap", num_cpu_kv_blocks=4, tensor_parallel_size=2)
+    EngineConfig(preemption_mode="swap", num_cpu_kv_blocks=4)  # one rank: fine
