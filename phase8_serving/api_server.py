@@ -8,7 +8,8 @@ and carry the dishes back, either at once (a JSON body) or course by course as s
 events (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's models).
+GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's
+models).
 
 Invariants:
 - anything a client can send gets a 2xx or a 4xx in the OpenAI error shape, never a 5xx:

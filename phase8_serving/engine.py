@@ -287,9 +287,9 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
-        if seq.num_output_tokens > params.min_tokens and (  # before: the sampler masked them
-            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
-        ):
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        # within min_tokens the sampler masks them; if it could not, they still end nothing
+        if (token in params.stop_token_ids or is_eos) and seq.num_output_tokens > params.min_tokens:
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH

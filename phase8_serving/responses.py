@@ -92,14 +92,16 @@ def sampled_in_top(lp: TokenLogprobs) -> tuple[tuple[int, float], ...]:
 
 
 def completion_logprobs(
-    choice: ChoiceStream, logprobs: list[TokenLogprobs], offsets: list[int]
-) -> dict:
-    """The legacy completions shape: parallel lists, one entry per token."""
+    choice: ChoiceStream, logprobs: list[TokenLogprobs] | None, offsets: list[int]
+) -> dict | None:
+    """The legacy completions shape: parallel lists, one entry per token (None: not asked)."""
+    if logprobs is None:
+        return None
+    top = [{choice.token_text(t): v for t, v in with_sampled(lp)} for lp in logprobs]
     return {
         "tokens": [choice.token_text(lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{choice.token_text(t): v for t, v in with_sampled(lp)}
-                         for lp in logprobs],  # fmt: skip
+        "top_logprobs": top,
         "text_offset": offsets,
     }
 
@@ -128,8 +130,7 @@ def completion_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dic
             {
                 "index": c.index,
                 "text": c.text,
-                "logprobs": None if c.logprobs is None
-                else completion_logprobs(c, c.logprobs, c.text_offsets),
+                "logprobs": completion_logprobs(c, c.logprobs, c.text_offsets),
                 "finish_reason": c.finish_reason,
             }
             for c in choices
@@ -156,10 +157,9 @@ def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> 
 
 
 def completion_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
-    logprobs = None
-    if delta.logprobs is not None:  # the delta's entries are the choice's latest
-        offsets = choice.text_offsets[len(choice.text_offsets) - len(delta.logprobs) :]
-        logprobs = completion_logprobs(choice, delta.logprobs, offsets)
+    num_new = len(delta.logprobs or ())  # the delta's entries are the choice's latest
+    offsets = choice.text_offsets[len(choice.text_offsets) - num_new :]
+    logprobs = completion_logprobs(choice, delta.logprobs, offsets)
     entry = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
              "finish_reason": delta.finish_reason}  # fmt: skip
     return {**meta, "object": "text_completion", "choices": [entry]}
