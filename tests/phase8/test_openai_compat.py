@@ -200,9 +200,8 @@ def test_min_tokens_holds_off_stop_tokens_and_stop_strings(http, token_id):
 @pytest.mark.parametrize("off", [-1, 0])
 def test_top_k_minus_one_and_zero_mean_off(http, off):
     seeded = {"temperature": 1.0, "seed": 7}
-    assert complete(http, top_k=off, **seeded)["choices"][0]["text"] == (
-        complete(http, **seeded)["choices"][0]["text"]
-    )
+    plain = complete(http, **seeded)["choices"][0]["text"]
+    assert complete(http, top_k=off, **seeded)["choices"][0]["text"] == plain
 
 
 # -- unsupported fields --------------------------------------------------------------------
