@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import enum
 import logging
+import signal
 import sys
 import typing
 from collections.abc import Callable, Iterator
@@ -108,6 +109,9 @@ def serve(args: argparse.Namespace) -> None:
     async_llm = AsyncLLM(engine, name)
     app = build_app(async_llm, config)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", name, args.host, args.port)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; exiting through Python
+    # (not by the signal's default action) runs the cleanup below
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         uvicorn.Server(uvicorn_config(app, args)).run()
     finally:
@@ -128,6 +132,10 @@ def uvicorn_config(app, args: argparse.Namespace):
         app, host=args.host, port=args.port, log_level="info",
         timeout_graceful_shutdown=max(args.shutdown_timeout, SHUTDOWN_TICK_S),
     )  # fmt: skip
+
+
+def exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def seconds(text: str) -> float:

@@ -177,9 +177,11 @@ def test_min_tokens_holds_off_eos(http, eos_id):
     at_once = complete(http, logit_bias=bias, ignore_eos=False)
     assert at_once["usage"]["completion_tokens"] == 1
     assert at_once["choices"][0]["finish_reason"] == "stop"
-    held = complete(http, logit_bias=bias, ignore_eos=False, min_tokens=4)
+    held = complete(http, logit_bias=bias, ignore_eos=False, min_tokens=4, logprobs=0)
     assert held["usage"]["completion_tokens"] == 5  # 4 tokens, then EOS
     assert held["choices"][0]["finish_reason"] == "stop"
+    tokens = held["choices"][0]["logprobs"]["tokens"]
+    assert "<|im_end|>" not in tokens[:4] and tokens[4] == "<|im_end|>"  # masked, not ignored
     in_chat = chat(http, logit_bias=bias, ignore_eos=False, min_tokens=3, max_tokens=10)
     assert in_chat["usage"]["completion_tokens"] == 4
 
@@ -190,6 +192,7 @@ def test_min_tokens_holds_off_stop_tokens_and_stop_strings(http, token_id):
     stopped = complete(http, logit_bias=bias, stop_token_ids=[z], min_tokens=3)
     assert stopped["usage"]["completion_tokens"] == 4  # Z is masked for 3 tokens, then stops
     assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert "Z" not in stopped["choices"][0]["text"]
     # vLLM's rule: a stop string counts only if it ends in text of a token after min_tokens
     assert complete(http, logit_bias=bias, stop="Z")["choices"][0]["text"] == ""
     late = complete(http, logit_bias=bias, stop="Z", min_tokens=3)
