@@ -19,6 +19,9 @@ import httpx
 import openai
 import pytest
 
+from phase8_serving.engine import RequestTiming
+from phase8_serving.metrics import build_1_2_5_buckets, finished_request_stats
+
 from .conftest import ENGINE, MODEL_NAME
 
 GREEDY = {"temperature": 0.0}
@@ -330,3 +333,13 @@ def test_request_level_metrics_match_the_usage(http, eos_id):
     token_buckets = sorted(float(dict(labels)["le"]) for name, labels in after
                            if name == "vllm:request_prompt_tokens_bucket")  # fmt: skip
     assert token_buckets == [1, 2, 5, 10, 20, 50, 100, float("inf")]  # 1-2-5 up to the context
+
+
+def test_finished_request_stats_are_vllms_intervals():
+    timing = RequestTiming(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.25,
+                           finished_time=13.0)  # fmt: skip
+    stats = finished_request_stats(timing, "stop", num_prompt_tokens=7, num_generation_tokens=4)
+    assert (stats.queue_time, stats.prefill_time, stats.decode_time, stats.inference_time) == (
+        0.5, 0.75, 1.75, 2.5,
+    )  # fmt: skip
+    assert build_1_2_5_buckets(128) == [1, 2, 5, 10, 20, 50, 100]
