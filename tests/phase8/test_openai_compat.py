@@ -278,6 +278,8 @@ def test_do_nothing_values_of_unsupported_fields_are_accepted(http):
     accepted = chat(http, tools=[], tool_choice="none", response_format={"type": "text"},
                     parallel_tool_calls=False, function_call="none")  # fmt: skip
     assert accepted["choices"][0]["message"]["content"] == plain
+    tool_reply = {"role": "tool", "content": "42", "tool_call_id": "call_1"}  # to the template
+    assert chat(http, messages=[*MESSAGES, tool_reply])["usage"]["completion_tokens"] == 6
     plain = complete(http, n=2)["choices"][0]["text"]
     same = complete(http, n=2, best_of=2, echo=False, suffix=None,
                     response_format={"type": "text"})  # fmt: skip
