@@ -7,8 +7,9 @@ Idea: a FastAPI app (served by uvicorn) whose handlers are the front desk: valid
 and carry the dishes back, either at once (a JSON body) or course by course as server-sent
 events (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's models).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's
+models).
 
 Invariants:
 - anything a client can send gets a 2xx or a 4xx in the OpenAI error shape, never a 5xx:
@@ -47,6 +48,7 @@ from .responses import (
     chat_role_chunk,
     completion_chunk,
     completion_response,
+    model_card,
     usage,
     usage_chunk,
 )
@@ -85,9 +87,15 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": config.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "mini-vllm", "max_model_len": config.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(config.model_name, config.max_model_len)]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: hub ids have a slash (Qwen/Qwen3-0.6B)
+    async def model(model_id: str) -> dict:
+        if model_id != config.model_name:
+            raise InvalidRequest(
+                f"The model `{model_id}` does not exist.", "model", 404, "model_not_found"
+            )
+        return model_card(config.model_name, config.max_model_len)
 
     @app.get("/health")
     async def health() -> Response:

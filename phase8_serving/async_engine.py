@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine import LLMEngine, RequestOutput
-from .metrics import EngineMetrics, EngineStats
+from .metrics import EngineMetrics, EngineStats, cache_config_info
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,10 @@ class AsyncLLM:
         self.engine = engine
         self.model_name = model_name
         self.stats = EngineStats()  # replaced whole after every step (readers never see a mix)
-        self.metrics = EngineMetrics(model_name, lambda: self.stats)
+        max_model_len = min(engine.model.config.max_position_embeddings, engine.config.num_kv_slots)
+        self.metrics = EngineMetrics(
+            model_name, lambda: self.stats, max_model_len, cache_config_info(engine.config)
+        )
         self._commands: queue.SimpleQueue[_Add | _Abort | _Shutdown] = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, _Timing]] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -215,6 +218,7 @@ class AsyncLLM:
             self._publish_stats()
             return
         now = time.perf_counter()
+        self.metrics.record_step(outputs)
         self._publish_stats()  # before delivery: a client that got its answer sees it counted
         deliveries: list[tuple[RequestStream, RequestOutput]] = []
         for out in outputs:

@@ -1,6 +1,8 @@
 """The `mini-vllm` command: `serve`, `generate`, `chat`, `bench` (flags named as vLLM names them).
 
-- `mini-vllm serve [MODEL]`: the OpenAI-compatible server (no MODEL: the embedded SmolLM2);
+- `mini-vllm serve [MODEL]`: the OpenAI-compatible server (no MODEL: the embedded SmolLM2); on
+  SIGTERM or Ctrl-C it stops accepting connections, lets in-flight requests run for at most
+  `--shutdown-timeout` seconds (vLLM's flag; 0, the default, aborts them at once), then exits;
 - `mini-vllm generate PROMPT...`: offline completions, printed;
 - `mini-vllm chat`: an interactive conversation in the terminal, the reply streamed as it is
   generated (offline: no server involved);
@@ -17,6 +19,7 @@ import argparse
 import dataclasses
 import enum
 import logging
+import signal
 import sys
 import typing
 from collections.abc import Callable, Iterator
@@ -30,6 +33,9 @@ from .streaming import DeltaTracker
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no TLS
 DEFAULT_PORT = 8000
+# uvicorn's wait with a timeout of exactly 0 is cancelled before it can see that nothing is
+# running, and logs an error even for an idle server; a tick is "at once" for any request.
+SHUTDOWN_TICK_S = 0.01
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +89,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
     p.add_argument("--served-model-name", default=None, help="the name clients use as model")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion cap")
+    p.add_argument("--shutdown-timeout", type=seconds, default=0.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted "
+                   "(default 0: abort at once)")  # fmt: skip
     add_engine_args(p)
     p.set_defaults(handler=serve)
 
@@ -100,11 +109,41 @@ def serve(args: argparse.Namespace) -> None:
     async_llm = AsyncLLM(engine, name)
     app = build_app(async_llm, config)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", name, args.host, args.port)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; exiting through Python
+    # (not by the signal's default action) runs the cleanup below
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        uvicorn.Server(uvicorn_config(app, args)).run()
     finally:
         async_llm.shutdown()
         llm.shutdown()  # stops the tensor-parallel workers, if any
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    """uvicorn's settings for `serve`: where to listen, and how long a shutdown may wait.
+
+    On SIGTERM uvicorn stops accepting connections and waits for the requests in flight; after
+    `--shutdown-timeout` seconds it cancels them, and a cancelled handler closes its streams,
+    which aborts its engine requests (api_server.py). Then the process exits.
+    """
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info",
+        timeout_graceful_shutdown=max(args.shutdown_timeout, SHUTDOWN_TICK_S),
+    )  # fmt: skip
+
+
+def exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(0)
+
+
+def seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def resolve_max_model_len(engine: LLMEngine, requested: int | None) -> int:

@@ -35,7 +35,12 @@ so a request without stop strings is detokenized once, when it finishes.
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
 for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
 requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). (`abort_request` frees
-a request's blocks at once; the server calls it when a client goes away.)
+a request's blocks at once; the server calls it when a client goes away.) Each request keeps a
+`RequestTiming` (arrival, first scheduled, first token, finished), and its finished output carries
+it, for the request-level metrics. `min_tokens` (vLLM's rule): before that many tokens, EOS and
+stop tokens cannot be sampled (model_runner.py) nor end the request, and a stop string counts only
+if it ends in text of a later token. Token ids a request names (stop tokens, logit bias) must be in
+the vocabulary, or `add_request` refuses it.
 """
 
 import atexit
@@ -77,12 +82,24 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestTiming:
+    """When a request reached each stage, in `time.monotonic()` seconds (one clock for every
+    process of a host). Finished requests have every time set."""
+
+    arrival_time: float  # add_request
+    first_scheduled_time: float | None = None  # the first step that ran it
+    first_token_time: float | None = None
+    finished_time: float | None = None  # its last token
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestTiming | None = None  # on the finished output only (vLLM's name)
 
 
 class RequestOutputKind(enum.Enum):
@@ -96,6 +113,7 @@ class Request:
     prompt: str | None  # the text the caller gave, if it gave text
     detokenizer: IncrementalDetokenizer  # its output_text is the text of the tokens fed so far
     output_kind: RequestOutputKind
+    timing: RequestTiming
     num_detokenized: int = 0  # output tokens fed to the detokenizer
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token
 
@@ -134,7 +152,9 @@ class LLMEngine:
             self.config.num_cpu_kv_blocks,
         )  # fmt: skip
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(model, self.config, self.block_manager)
+        vocab = model.config.vocab_size  # a tokenizer's id past the LM head can never be sampled
+        eos_ids = frozenset(t for t in self.eos_token_ids if t < vocab)
+        self.runner = ModelRunner(model, self.config, self.block_manager, eos_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0  # since start, for the server's metrics
@@ -151,6 +171,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_optional("request_id", request_id, str)
+        arrival_time = time.monotonic()
+        params.check_token_ids(self.model.config.vocab_size)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
         if max_len > self.model.config.max_position_embeddings:
@@ -175,7 +197,8 @@ class LLMEngine:
         seq = Sequence(seq_id, request_id, prompt_ids, params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None,
-                                            detokenizer, output_kind)  # fmt: skip
+                                            detokenizer, output_kind,
+                                            RequestTiming(arrival_time))  # fmt: skip
         self.scheduler.add(seq)
         return request_id
 
@@ -210,6 +233,11 @@ class LLMEngine:
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
+        for seq in out.admitted:  # admitted again after a preemption: the first time stays
+            timing = self.requests[seq.request_id].timing
+            if timing.first_scheduled_time is None:
+                timing.first_scheduled_time = scheduled_at
         try:
             return self._run(out, start)
         except BaseException:
@@ -222,6 +250,7 @@ class LLMEngine:
         # A step may run nothing (every running sequence was preempted); the trace still records
         # it.
         samples = self.runner.run(out.scheduled) if out.scheduled else []
+        now = time.monotonic()
         self.num_preemptions += len(out.preempted)
         updated, finished = [], []
         for (seq, num_new), sample in zip(out.scheduled, samples, strict=True):
@@ -233,6 +262,8 @@ class LLMEngine:
             seq.token_ids.append(token)
             if sample.logprobs is not None:
                 self.requests[seq.request_id].logprobs.append(sample.logprobs)
+            if seq.num_output_tokens == 1:
+                self.requests[seq.request_id].timing.first_token_time = now
             updated.append(seq)
             reason = self._finish_reason(seq, token)
             # a stop token's own text is never shown; only stop strings need the text each step
@@ -241,6 +272,7 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.runner.release(seq)
+                self.requests[seq.request_id].timing.finished_time = now
                 finished.append(seq)
         if self.trace is not None:
             self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
@@ -256,9 +288,9 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
-        if token in params.stop_token_ids or (
-            token in self.eos_token_ids and not params.ignore_eos
-        ):
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        # within min_tokens the sampler masks them; if it could not, they still end nothing
+        if (token in params.stop_token_ids or is_eos) and seq.num_output_tokens > params.min_tokens:
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
@@ -279,6 +311,8 @@ class LLMEngine:
         """Extends the request's text; a stop string ends the request, cut before the stop."""
         request = self.requests[seq.request_id]
         delta = self._catch_up_text(request, seq.num_output_tokens)
+        if seq.num_output_tokens <= seq.params.min_tokens:
+            return None  # vLLM's rule: only text of the tokens after min_tokens is searched
         detokenizer = request.detokenizer
         match = find_stop_string(detokenizer.output_text, seq.params.stop, len(delta))
         if match is None:
@@ -300,8 +334,9 @@ class LLMEngine:
         logprobs = list(request.logprobs) if seq.params.logprobs is not None else None
         completion = CompletionOutput(0, text, seq.output_token_ids, reason, logprobs)
         return RequestOutput(
-            seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished
-        )
+            seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
+            request.timing if seq.is_finished else None,
+        )  # fmt: skip
 
 
 def stop_hold_back(params: SamplingParams) -> int:

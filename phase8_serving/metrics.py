@@ -8,14 +8,24 @@ Latencies and token counts are observed by the engine thread as outputs appear; 
 from the engine's latest `EngineStats` snapshot when Prometheus scrapes. Names are vLLM's
 (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...), so dashboards built for
 vLLM read this server unchanged.
+
+Request-level families (vLLM's `vllm:request_*`) come from the finished output alone: its token
+counts, its finish reason and its `RequestTiming` (arrival, first scheduled, first token,
+finished), turned into intervals by `finished_request_stats`; so whichever process makes the
+outputs can record them. `vllm:iteration_tokens_total` counts, per engine step, vLLM's way: the
+whole prompt of each request whose first token came in that step, plus one per new token. Over a
+request's life that sums to its usage (prompt + completion tokens).
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from .config import EngineConfig
+from .engine import RequestOutput, RequestTiming
 
 # Histogram buckets in seconds: vLLM's, from sub-millisecond GPU steps to minute-long CPU replies.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -24,7 +34,60 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = E2E_BUCKETS  # queue, prefill, decode and inference times
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_REASONS = ("stop", "length", "abort")  # the finished_reason label's values
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for token counts)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """What the request-level metrics observe for one finished request (seconds, tokens)."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time: float  # arrival -> first scheduled (WAITING)
+    prefill_time: float  # first scheduled -> first token
+    decode_time: float  # first token -> last token
+    inference_time: float  # first scheduled -> last token (RUNNING, preemptions included)
+
+
+def finished_request_stats(
+    timing: RequestTiming, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int
+) -> FinishedRequestStats:
+    """A finished request's intervals, as vLLM defines them, from its timestamps."""
+    return FinishedRequestStats(
+        finish_reason=finish_reason,
+        num_prompt_tokens=num_prompt_tokens,
+        num_generation_tokens=num_generation_tokens,
+        queue_time=timing.first_scheduled_time - timing.arrival_time,
+        prefill_time=timing.first_token_time - timing.first_scheduled_time,
+        decode_time=timing.finished_time - timing.first_token_time,
+        inference_time=timing.finished_time - timing.first_scheduled_time,
+    )
+
+
+def cache_config_info(config: EngineConfig) -> dict[str, str]:
+    """The labels of `vllm:cache_config_info` (vLLM's names for our cache settings)."""
+    return {
+        "block_size": str(config.block_size),
+        "num_gpu_blocks": str(config.num_kv_blocks),  # the device pool, whatever the device
+        "num_cpu_blocks": str(config.num_cpu_kv_blocks),
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+    }
 
 
 @dataclass(frozen=True)
@@ -69,7 +132,13 @@ class _StatsCollector(Collector):
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]):
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        max_model_len: int,  # the largest token count a request can have (histogram buckets)
+        cache_info: Mapping[str, str],  # cache_config_info's labels
+    ):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
@@ -91,7 +160,71 @@ class EngineMetrics:
             "vllm:e2e_request_latency_seconds", "Arrival to the last token.", labels,
             registry=reg, buckets=E2E_BUCKETS,
         ).labels(model_name)  # fmt: skip
+        self._add_request_families(model_name, max_model_len)
+        info = Gauge("vllm:cache_config_info", "Information of the KV cache configuration.",
+                     list(cache_info), registry=reg)  # fmt: skip
+        info.labels(**cache_info).set(1)
         reg.register(_StatsCollector(model_name, stats))
+
+    def _add_request_families(self, model_name: str, max_model_len: int) -> None:
+        reg, labels = self.registry, ["model_name"]
+        token_buckets = build_1_2_5_buckets(max_model_len)
+
+        def histogram(name: str, documentation: str, buckets) -> Histogram:
+            return Histogram(name, documentation, labels, registry=reg, buckets=buckets).labels(
+                model_name
+            )
+
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of finished requests.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens of finished requests.",
+            token_buckets,
+        )  # fmt: skip
+        self.request_times = {
+            kind: histogram(f"vllm:request_{kind}_time_seconds", documentation,
+                            REQUEST_LATENCY_BUCKETS)
+            for kind, documentation in (
+                ("queue", "Arrival to first scheduled (WAITING)."),
+                ("prefill", "First scheduled to first token (PREFILL)."),
+                ("decode", "First token to last token (DECODE)."),
+                ("inference", "First scheduled to last token (RUNNING)."),
+            )
+        }  # fmt: skip
+        success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                          labels + ["finished_reason"], registry=reg)  # fmt: skip
+        self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens per engine step (prompts counted when their "
+            "first token comes, as vLLM counts them).", ITERATION_TOKENS_BUCKETS,
+        )  # fmt: skip
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        self.request_prompt_tokens.observe(stats.num_prompt_tokens)
+        self.request_generation_tokens.observe(stats.num_generation_tokens)
+        times = self.request_times
+        times["queue"].observe(stats.queue_time)
+        times["prefill"].observe(stats.prefill_time)
+        times["decode"].observe(stats.decode_time)
+        times["inference"].observe(stats.inference_time)
+        self.request_success[stats.finish_reason].inc()
+
+    def record_step(self, outputs: Sequence[RequestOutput]) -> None:
+        """One engine step's outputs (one new token each): iteration tokens, finished requests."""
+        if not outputs:
+            return
+        num_tokens = 0
+        for out in outputs:
+            completion = out.outputs[0]
+            first = len(completion.token_ids) == 1
+            num_tokens += 1 + (len(out.prompt_token_ids) if first else 0)
+            if out.metrics is not None:
+                self.record_finished(finished_request_stats(
+                    out.metrics, completion.finish_reason, len(out.prompt_token_ids),
+                    len(completion.token_ids),
+                ))  # fmt: skip
+        self.iteration_tokens.observe(num_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

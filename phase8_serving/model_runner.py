@@ -27,10 +27,12 @@ sampling pass that draws row by row.
   before running it; the other ranks' runners only receive steps and run `forward`, never
   `prepare` or sampling, and their KV caches hold their ranks' KV heads.
 
-Phase 8: what a server's clients ask for. In a step where some row has penalties, the logits are
-penalized in one batched pass before `sample_batch`; rows that asked for logprobs get them from
-the raw logits, beside their token (`SampledToken`). A step where no row asks for either runs
-exactly phase 7's path, with its one device-to-host copy; logprobs add their own copies.
+Phase 8: what a server's clients ask for. In a step where some row has a logit bias or is short
+of its `min_tokens` (its EOS and stop tokens are then biased to -inf), the logits are biased in
+one batched scatter-add; in a step where some row has penalties, they are penalized in one
+batched pass; both before `sample_batch`, in vLLM's order. Rows that asked for logprobs get them
+from the raw logits, beside their token (`SampledToken`). A step where no row asks for any of
+these runs exactly phase 7's path, with its one device-to-host copy; logprobs add their own.
 """
 
 from dataclasses import dataclass
@@ -45,7 +47,14 @@ from .cuda_graph import DecodeGraphs, decode_buckets
 from .input_batch import HostBlockTables, PreparedStep, StepInputs, send_step
 from .kv_cache import KVCache, copy_blocks
 from .model import Qwen3ForCausalLM
-from .sampling import SamplingBatch, TokenLogprobs, apply_penalties, sample_batch, token_logprobs
+from .sampling import (
+    SamplingBatch,
+    TokenLogprobs,
+    apply_logit_bias,
+    apply_penalties,
+    sample_batch,
+    token_logprobs,
+)
 from .sequence import Sequence
 
 
@@ -65,9 +74,16 @@ class SampledBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig, block_manager: BlockManager):
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        eos_token_ids: frozenset[int] = frozenset(),  # what min_tokens holds off (rank 0 samples)
+    ):
         self.model = model
         self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
         self.device = next(model.parameters()).device
         c = model.config
         dtype = model.lm_head.weight.dtype
@@ -175,10 +191,15 @@ class ModelRunner:
         return self.sample(logits, chosen)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
-        """logits (R, V) of `seqs`' sampling rows -> their tokens, penalized where asked."""
+        """logits (R, V) of `seqs`' sampling rows -> their tokens, biased and penalized where
+        asked (host-side checks first: a step where no row asks runs no extra pass)."""
         params = [s.params for s in seqs]
         raw_logits = logits
-        if any(p.has_penalties for p in params):  # a host-side check: no pass when nobody asks
+        if any(p.logit_bias or p.min_tokens for p in params):
+            biases = [self._logit_bias(s) for s in seqs]
+            if any(biases):
+                logits = apply_logit_bias(logits, biases)
+        if any(p.has_penalties for p in params):
             logits = apply_penalties(
                 logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                 params,
@@ -186,6 +207,15 @@ class ModelRunner:
         generators = [self._generator(s) for s in seqs]
         batch = SamplingBatch.build(params, generators, logits.shape[-1], self.device)
         return SampledBatch(sample_batch(logits, batch), raw_logits, [p.logprobs for p in params])
+
+    def _logit_bias(self, seq: Sequence) -> dict[int, float]:
+        """The request's logit_bias, plus -inf on what may not end it before min_tokens."""
+        params = seq.params
+        bias = params.logit_bias or {}
+        if seq.num_output_tokens >= params.min_tokens:
+            return bias
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        return {**bias, **dict.fromkeys(stops, float("-inf"))}
 
     @torch.no_grad()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[SampledToken | None]:

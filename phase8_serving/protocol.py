@@ -8,16 +8,23 @@ Idea: pydantic models with the OpenAI API's field names and ranges (strict: "3" 
 NaN is not a temperature). FastAPI derives `/openapi.json` from them, so the schema clients and
 fuzzers see is exactly what is enforced. `sampling_params` turns a valid body into the engine's
 `SamplingParams`; what needs the tokenized prompt (the context length) is checked there.
-vLLM's extras are accepted too: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
-skip_special_tokens, chat_template_kwargs.
+vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty, ignore_eos,
+stop_token_ids, skip_special_tokens, min_tokens, chat_template_kwargs.
+
+Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
+`extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
+`suffix`, `echo`, `best_of` > n, a `response_format` other than text) are accepted only with their
+do-nothing values (`tool_choice: "none"`, `best_of: n`, ...), else a 400 saying so.
 """
 
 import abc
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .sampling import (
+    MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
@@ -30,6 +37,18 @@ MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n uses seed + i, which must fit torc
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+# logit_bias keys are token ids spelled in decimal (JSON keys are strings); 10 digits at most, so
+# parsing stays cheap and the engine's vocabulary check says the rest
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]
+STRICT = ConfigDict(strict=True, extra="forbid")  # "3" is not a number; unknown fields are 400s
+
+
+def unsupported(detail: str = "") -> PydanticCustomError:
+    """The error for a field this server knows but does not implement: a 400 whose message starts
+    with the field's name (api_server.py adds it)."""
+    message = "not supported by this server" + (f" ({detail})" if detail else "")
+    return PydanticCustomError("unsupported", message.replace("{", "{{").replace("}", "}}"))
 
 
 class InvalidRequest(ValueError):
@@ -47,21 +66,34 @@ def error_body(message: str, type_: str, param: str | None, code: str | int | No
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = STRICT
     include_usage: bool | None = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted when off
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _off(cls, value: bool) -> bool:
+        if value:
+            raise unsupported("usage in every chunk")
+        return value
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # json_schema's schema rides along
+    type: str
 
 
 class SamplingRequest(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
     PROMPT_FIELD: ClassVar[str]  # where the prompt is, for errors about its length
 
     model: str | None = None  # None: the served model
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off, as in vLLM
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
@@ -72,10 +104,20 @@ class SamplingRequest(BaseModel):
         None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
     )
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[TokenIdKey, Bias] | None = None
+    response_format: ResponseFormat | None = None  # only {"type": "text"}
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as by vLLM
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None and value.type != "text":
+            raise unsupported(f"type {value.type!r}; only 'text'")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -139,7 +181,11 @@ class SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=self.requested_logprobs(),
-        )
+            min_tokens=self.min_tokens,
+            logit_bias=None if self.logit_bias is None else {
+                int(token): bias for token, bias in self.logit_bias.items()
+            },
+        )  # fmt: skip
 
 
 class CompletionRequest(SamplingRequest):
@@ -155,7 +201,26 @@ class CompletionRequest(SamplingRequest):
     )
     max_tokens: int | None = Field(16, ge=1)  # the OpenAI API's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False  # echoing the prompt back is not supported
+    echo: bool = False  # only off
+    suffix: str | None = None  # only empty
+    best_of: int | None = Field(None, ge=1)  # only n
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _off(cls, value):
+        if value:
+            raise unsupported()
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info) -> int | None:
+        n = info.data.get("n")
+        if value is None or n is None or value == n:
+            return value
+        if value < n:
+            raise ValueError(f"best_of ({value}) must be >= n ({n})")
+        raise unsupported(f"best_of > n: sampling {value} to return the best {n}")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -174,22 +239,26 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message's; handed to the template as is
 
     def for_template(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content, "name": self.name}
+        message = {"role": self.role, "content": content, "name": self.name}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -204,6 +273,26 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
+    # function calling is not implemented: accepted only when it asks for nothing
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # only "none"
+    functions: list[dict[str, Any]] | None = None  # the deprecated spelling of tools
+    function_call: str | dict[str, Any] | None = None  # only "none"
+    parallel_tool_calls: bool | None = None  # no tools, nothing to parallelize
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise unsupported("function calling")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _choose_none(cls, value):
+        if value not in (None, "none"):
+            raise unsupported("function calling; only 'none'")
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

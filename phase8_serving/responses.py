@@ -7,8 +7,17 @@ response and a streamed chunk.
 Idea: `ChoiceStream` follows one choice of a response: it reads the engine's outputs, turns them
 into deltas (streaming.py: nothing is shown that a stop string later removes) and keeps the
 totals. The functions below only shape JSON from those deltas and totals.
+
+Logprobs, as OpenAI returns them: the sampled token is always among a position's top logprobs.
+Completions list the top `logprobs` tokens plus the sampled one when it is not among them (up to
+logprobs + 1 entries; `logprobs: 0` gives the sampled token alone). Chat lists exactly
+`top_logprobs` entries, most likely first, the sampled token taking the last place when it is not
+among them (vLLM's rule: the sampled token is always there). A completion's `text_offset` counts
+the characters of the tokens before it, so a stream, whose text may lag its tokens while a stop
+string is held back, gives the same offsets as the whole response.
 """
 
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from .async_engine import RequestStream
@@ -29,6 +38,8 @@ class ChoiceStream:
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = None
+        self.text_offsets: list[int] = []  # per logprob entry: its token's offset in the text
+        self.num_token_chars = 0  # characters of the tokens with logprobs so far
         self.finish_reason: str | None = None
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
@@ -39,6 +50,9 @@ class ChoiceStream:
             self.token_ids += delta.token_ids
             if delta.logprobs is not None:
                 self.logprobs = (self.logprobs or []) + delta.logprobs
+                for lp in delta.logprobs:
+                    self.text_offsets.append(self.num_token_chars)
+                    self.num_token_chars += len(self.token_text(lp.token_id))
             self.finish_reason = delta.finish_reason
             if delta.text or delta.logprobs or delta.finish_reason:
                 yield delta
@@ -62,17 +76,32 @@ def usage(prompts: Sequence[Sequence[int]], choices: Sequence[ChoiceStream]) -> 
     }
 
 
-def completion_logprobs(choice: ChoiceStream, logprobs: list[TokenLogprobs], offset: int) -> dict:
-    """The legacy completions shape: parallel lists; text_offset counts from `offset`."""
-    tokens = [choice.token_text(lp.token_id) for lp in logprobs]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+def with_sampled(lp: TokenLogprobs) -> tuple[tuple[int, float], ...]:
+    """Completions: the top logprobs, then the sampled token if it is not among them."""
+    if any(t == lp.token_id for t, _ in lp.top_logprobs):
+        return lp.top_logprobs
+    return (*lp.top_logprobs, (lp.token_id, lp.logprob))
+
+
+def sampled_in_top(lp: TokenLogprobs) -> tuple[tuple[int, float], ...]:
+    """Chat: as many as asked; the sampled token replaces the last if it is not among them."""
+    k = len(lp.top_logprobs)
+    if k == 0 or any(t == lp.token_id for t, _ in lp.top_logprobs):
+        return lp.top_logprobs
+    return (*lp.top_logprobs[: k - 1], (lp.token_id, lp.logprob))
+
+
+def completion_logprobs(
+    choice: ChoiceStream, logprobs: list[TokenLogprobs] | None, offsets: list[int]
+) -> dict | None:
+    """The legacy completions shape: parallel lists, one entry per token (None: not asked)."""
+    if logprobs is None:
+        return None
+    top = [{choice.token_text(t): v for t, v in with_sampled(lp)} for lp in logprobs]
     return {
-        "tokens": tokens,
+        "tokens": [choice.token_text(lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{choice.token_text(t): v for t, v in lp.top_logprobs} for lp in logprobs],
+        "top_logprobs": top,
         "text_offset": offsets,
     }
 
@@ -86,7 +115,7 @@ def chat_logprobs(choice: ChoiceStream, logprobs: list[TokenLogprobs]) -> dict:
         "content": [
             {
                 **entry(lp.token_id, lp.logprob),
-                "top_logprobs": [entry(t, v) for t, v in lp.top_logprobs],
+                "top_logprobs": [entry(t, v) for t, v in sampled_in_top(lp)],
             }
             for lp in logprobs
         ]  # fmt: skip
@@ -101,7 +130,7 @@ def completion_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dic
             {
                 "index": c.index,
                 "text": c.text,
-                "logprobs": None if c.logprobs is None else completion_logprobs(c, c.logprobs, 0),
+                "logprobs": completion_logprobs(c, c.logprobs, c.text_offsets),
                 "finish_reason": c.finish_reason,
             }
             for c in choices
@@ -128,10 +157,9 @@ def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> 
 
 
 def completion_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
-    logprobs = None
-    if delta.logprobs is not None:
-        offset = len(choice.text) - len(delta.text)
-        logprobs = completion_logprobs(choice, delta.logprobs, offset)
+    num_new = len(delta.logprobs or ())  # the delta's entries are the choice's latest
+    offsets = choice.text_offsets[len(choice.text_offsets) - num_new :]
+    logprobs = completion_logprobs(choice, delta.logprobs, offsets)
     entry = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
              "finish_reason": delta.finish_reason}  # fmt: skip
     return {**meta, "object": "text_completion", "choices": [entry]}
@@ -150,6 +178,12 @@ def chat_role_chunk(meta: dict, choice: ChoiceStream) -> dict:
     entry = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
              "logprobs": None, "finish_reason": None}  # fmt: skip
     return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
+
+
+def model_card(name: str, max_model_len: int) -> dict:
+    """GET /v1/models/{name}, and each entry of GET /v1/models."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mini-vllm",
+            "max_model_len": max_model_len}  # fmt: skip
 
 
 def usage_chunk(meta: dict, usage_: dict, chat: bool) -> dict:

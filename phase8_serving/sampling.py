@@ -39,9 +39,14 @@ Phase 8 (what a server's clients ask for, as the OpenAI API names it):
   repetition_penalty r divides a positive logit by r and multiplies a negative one by r, for every
   token seen in the prompt or the output; frequency_penalty subtracts f times the token's count in
   the output; presence_penalty subtracts p once for every token that occurs in the output;
+- `logit_bias` (token id -> a bias in [-100, 100] added to its logit) and `min_tokens` (EOS and
+  the stop tokens are impossible until that many tokens exist: their logits are -inf), applied
+  before the penalties, as vLLM applies its logits processors, by one batched scatter-add in
+  steps where some row has either (`apply_logit_bias`);
 - `logprobs`: the log-probability of each sampled token under the model's raw distribution
-  (before penalties, temperature and filters), plus the `logprobs` most likely alternatives,
-  computed only for the rows that ask (`token_logprobs`).
+  (before bias, penalties, temperature and filters), plus the `logprobs` most likely
+  alternatives, computed only for the rows that ask (`token_logprobs`).
+`top_k` -1 or 0 means no top-k filter, as in vLLM (stored as None).
 """
 
 import math
@@ -61,6 +66,8 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for (the OpenAI API
 MAX_ABS_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2] (the OpenAI API's range)
 # Beyond these, a penalized logit overflows float32 and softmax gives NaN.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_ABS_LOGIT_BIAS = 100.0  # the OpenAI API's range for logit_bias values
+TOP_K_OFF = (-1, 0)  # vLLM's spellings of "no top-k filter"; stored as None
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -82,7 +89,7 @@ def _check_real(name: str, value: object) -> None:
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
-    top_k: int | None = None  # None: no top-k filter
+    top_k: int | None = None  # None (or -1, 0, as in vLLM): no top-k filter
     top_p: float = 1.0
     min_p: float = 0.0
     max_tokens: int = 16
@@ -95,6 +102,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: none
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k's
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self):
         # Accept vLLM users' habits (a list) but store tuples: params are frozen.
@@ -116,8 +125,10 @@ class SamplingParams:
                 f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
                 f"got {self.temperature}"
             )
+        if type(self.top_k) is int and self.top_k in TOP_K_OFF:
+            object.__setattr__(self, "top_k", None)
         if self.top_k is not None:
-            _check_int("top_k", self.top_k, minimum=1)  # None disables it
+            _check_int("top_k", self.top_k, minimum=1)  # None (or -1, 0) disables it
         _check_real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
@@ -161,6 +172,39 @@ class SamplingParams:
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(
                     f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}"
+                )
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be <= max_tokens ({self.max_tokens}), "
+                f"got {self.min_tokens}"
+            )
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise TypeError(f"SamplingParams.logit_bias must be a dict, got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # the caller's stays theirs
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias token id", token, minimum=0)
+            _check_real("logit_bias", bias)
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(
+                    f"SamplingParams.logit_bias values must be in [{-MAX_ABS_LOGIT_BIAS}, "
+                    f"{MAX_ABS_LOGIT_BIAS}], got {bias} for token {token}"
+                )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raises ValueError unless every token id these params name is in [0, vocab_size): an
+        id past the LM head would index out of range inside a batch shared with others."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", self.logit_bias or ())):  # fmt: skip
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ValueError(
+                    f"SamplingParams.{name} holds token ids outside the vocabulary "
+                    f"[0, {vocab_size}): {outside[:5]}"
                 )
 
     @property
@@ -254,6 +298,23 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = top_k_top_p(probs, batch.top_k, batch.top_p)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(batch.greedy, greedy_tokens, sampled)
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -> torch.Tensor:
+    """logits (R, V) -> logits (R, V) float32, a new tensor, with biases[r][t] added at (r, t).
+
+    One scatter-add for the whole batch (every row's entries go to the device in one flat list).
+    A bias of -inf makes a token impossible (min_tokens); an empty dict leaves its row alone.
+    """
+    device = logits.device
+    rows = [r for r, bias in enumerate(biases) for _ in bias]
+    ids = [t for bias in biases for t in bias]
+    values = [v for bias in biases for v in bias.values()]
+    to = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
+    biased = logits.to(torch.float32, copy=True)  # the caller's logits stay raw (logprobs)
+    biased.index_put_((to(rows, torch.long), to(ids, torch.long)), to(values, torch.float32),
+                      accumulate=True)  # fmt: skip
+    return biased
 
 
 def apply_penalties(

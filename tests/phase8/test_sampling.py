@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from phase8_serving.model_runner import ModelRunner
-from phase8_serving.sampling import SamplingParams, apply_penalties, token_logprobs
+from phase8_serving.sampling import (
+    SamplingParams,
+    apply_logit_bias,
+    apply_penalties,
+    token_logprobs,
+)
 from phase8_serving.sequence import Sequence
 
 VOCAB = 50
@@ -61,9 +66,10 @@ def sequence(prompt: list[int], output: list[int], params: SamplingParams) -> Se
     return seq
 
 
-def bare_runner() -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)  # sample() uses only the generators and the device
+def bare_runner(eos_token_ids: frozenset[int] = frozenset()) -> ModelRunner:
+    runner = ModelRunner.__new__(ModelRunner)  # sample() uses the generators, device and EOS ids
     runner.generators, runner.device = {}, torch.device("cpu")
+    runner.eos_token_ids = eos_token_ids
     return runner
 
 
@@ -138,3 +144,54 @@ def test_runner_returns_logprobs_only_when_asked():
 def test_bad_new_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_logit_bias_adds_per_row_and_leaves_the_raw_logits():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
+    raw = logits.clone()
+    biases = [{1: 5.0, 7: -2.5}, {}, {0: float("-inf"), 49: 100.0}]
+    got = apply_logit_bias(logits, biases)
+    want = raw.clone()
+    for row, bias in enumerate(biases):
+        for token, value in bias.items():
+            want[row, token] += value
+    assert torch.equal(got, want) and torch.equal(logits, raw)
+
+
+def test_runner_masks_eos_and_stop_tokens_until_min_tokens():
+    runner = bare_runner(eos_token_ids=frozenset({3}))
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 5], logits[0, 8] = 9.0, 8.0, 7.0  # EOS, then a stop token, then 8
+    greedy = dict(temperature=0.0, stop_token_ids=[5], min_tokens=2)
+
+    def chosen(output: list[int], **params) -> int:
+        return runner.sample(logits, [sequence([1], output, SamplingParams(**params))]).token_ids[0]
+
+    assert chosen([], **greedy) == 8 and chosen([9], **greedy) == 8  # 0 and 1 tokens: masked
+    assert chosen([9, 9], **greedy) == 3  # min_tokens reached: EOS may come
+    assert chosen([], **{**greedy, "ignore_eos": True}) == 3  # ignore_eos: EOS is no stop
+    assert chosen([], temperature=0.0, logit_bias={8: 5.0}) == 8  # 7 + 5 beats EOS's 9
+
+
+def test_top_k_off_spellings_and_token_id_checks():
+    assert SamplingParams(top_k=-1).top_k is None and SamplingParams(top_k=0).top_k is None
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
+    with pytest.raises(TypeError, match="top_k"):
+        SamplingParams(top_k=0.0)
+    params = SamplingParams(stop_token_ids=[3], logit_bias={7: 1.0})
+    params.check_token_ids(8)
+    for vocab, field in ((7, "logit_bias"), (3, "stop_token_ids")):
+        with pytest.raises(ValueError, match=field):
+            params.check_token_ids(vocab)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 17}, "min_tokens"),
+    ({"logit_bias": {1: 100.5}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {1: float("nan")}}, "logit_bias"), ({"logit_bias": [(1, 1.0)]}, "logit_bias"),
+    ({"logit_bias": {"1": 1.0}}, "logit_bias"),
+])  # fmt: skip
+def test_bad_min_tokens_and_logit_bias_name_the_field(kwargs, field):
+    with pytest.raises((ValueError, TypeError), match=field):
+        SamplingParams(**kwargs)  # max_tokens 16

@@ -1,0 +1,347 @@
+"""OpenAI behaviours beyond the basics, as the API documents them and vLLM's entrypoint tests check.
+
+- logprobs always hold the sampled token (completions: up to logprobs + 1 entries; chat: exactly
+  top_logprobs, the sampled one among them);
+- a stream's `text_offset` equals the whole response's while a stop string holds text back;
+- `GET /v1/models/{id}`;
+- `logit_bias`, `min_tokens` (vLLM's rules for EOS, stop tokens and stop strings), `top_k` -1/0;
+- every field the server does not implement is a 400 naming it, never silently ignored; the
+  do-nothing values of those fields are accepted;
+- vLLM's request-level metric families, checked against the responses' usage.
+
+Oracles: the tokenizer (which token a forced id is), the same request without the field, usage.
+A logit bias of +100 forces a token under greedy decoding, so every test here is deterministic.
+"""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from phase8_serving.engine import RequestTiming
+from phase8_serving.metrics import build_1_2_5_buckets, finished_request_stats
+
+from .conftest import ENGINE, MODEL_NAME
+
+GREEDY = {"temperature": 0.0}
+MESSAGES = [{"role": "user", "content": "Hi!"}]
+FORCE = 100  # the largest logit bias: greedy decoding then picks that token
+
+
+@pytest.fixture
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
+        yield c
+    live_server.wait_until_idle(timeout=1.0)  # nothing left running, every KV block free
+
+
+@pytest.fixture
+def client(live_server):
+    with openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0) as c:
+        yield c
+    live_server.wait_until_idle(timeout=1.0)
+
+
+@pytest.fixture
+def token_id(live_server):
+    """The id of a one-token string (the test tokenizer is byte-level)."""
+
+    def find(text: str) -> int:
+        (token,) = live_server.engine.tokenizer.encode(text, add_special_tokens=False)
+        return token
+
+    return find
+
+
+@pytest.fixture
+def eos_id(live_server) -> int:
+    (eos,) = live_server.engine.eos_token_ids
+    return eos
+
+
+def complete(http: httpx.Client, **body) -> dict:
+    body = {"prompt": "Compat:", "max_tokens": 6, "ignore_eos": True, **GREEDY, **body}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def chat(http: httpx.Client, **body) -> dict:
+    body = {"messages": MESSAGES, "max_tokens": 6, "ignore_eos": True, **GREEDY, **body}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    out = complete(http, prompt="still there?", max_tokens=3)
+    assert out["usage"]["completion_tokens"] == 3
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def test_completion_logprobs_hold_the_sampled_token(http, token_id):
+    bias = {str(token_id("Z")): FORCE}  # "Z" is sampled; its raw logprob is rarely a top one
+    zero = complete(http, logprobs=0, logit_bias=bias)["choices"][0]
+    assert zero["text"] == "Z" * 6
+    lp = zero["logprobs"]
+    assert lp["top_logprobs"] == [{"Z": v} for v in lp["token_logprobs"]]  # not {}
+    two = complete(http, logprobs=2, logit_bias=bias)["choices"][0]["logprobs"]
+    assert two["token_logprobs"] == lp["token_logprobs"]
+    for chosen, top in zip(two["token_logprobs"], two["top_logprobs"], strict=True):
+        # the top 2, plus the sampled token when it is not among them: up to logprobs + 1
+        # (fewer keys when two byte tokens both decode to "\ufffd")
+        assert top["Z"] == chosen and len(top) <= 3
+
+
+def test_chat_logprobs_hold_the_sampled_token(http, token_id):
+    bias = {str(token_id("Z")): FORCE}
+    zero = chat(http, logprobs=True, top_logprobs=0, logit_bias=bias)["choices"][0]
+    assert all(e["top_logprobs"] == [] for e in zero["logprobs"]["content"])  # as vLLM
+    one = chat(http, logprobs=True, top_logprobs=1, logit_bias=bias)["choices"][0]
+    for entry in one["logprobs"]["content"]:
+        assert entry["token"] == "Z"
+        assert [(e["token"], e["logprob"]) for e in entry["top_logprobs"]] == [
+            ("Z", entry["logprob"])
+        ]
+    three = chat(http, logprobs=True, top_logprobs=3, logit_bias=bias)["choices"][0]
+    for entry in three["logprobs"]["content"]:
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and "Z" in [e["token"] for e in top]
+        assert [e["logprob"] for e in top] == sorted((e["logprob"] for e in top), reverse=True)
+
+
+def test_streamed_text_offset_equals_the_whole_responses(http):
+    """A stop string that never comes still holds the text back while the request runs (the
+    engine keeps len(stop) - 1 characters), so the stream's text lags its tokens."""
+    body = {"prompt": "Offsets:", "max_tokens": 12, "ignore_eos": True, "logprobs": 1,
+            "stop": ["@@@@"], **GREEDY}  # fmt: skip
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert "@@@@" not in whole["text"]
+    offsets, tokens, lagged = [], [], False
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[len("data: ") :])["choices"][0]
+                lp = choice["logprobs"]
+                offsets += lp["text_offset"]
+                tokens += lp["tokens"]
+                lagged |= len(choice["text"]) < sum(map(len, lp["tokens"]))
+    assert lagged  # the case under test happened
+    assert tokens == whole["logprobs"]["tokens"]
+    assert offsets == whole["logprobs"]["text_offset"]
+
+
+# -- models --------------------------------------------------------------------------------
+
+
+def test_get_one_model(http, client):
+    card = http.get(f"/v1/models/{MODEL_NAME}").json()
+    listed = http.get("/v1/models").json()["data"][0]
+    assert {k: v for k, v in card.items() if k != "created"} == {
+        k: v for k, v in listed.items() if k != "created"
+    }
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    for unknown in ("gpt-5", "org/name"):  # a hub id's slash still reaches the route
+        error = assert_openai_error(http.get(f"/v1/models/{unknown}"), 404, "model")
+        assert error["code"] == "model_not_found" and unknown in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
+    assert_still_serving(http)
+
+
+# -- logit_bias, min_tokens, top_k ---------------------------------------------------------
+
+
+def test_logit_bias_forces_and_forbids_tokens(http, token_id):
+    plain = complete(http)["choices"][0]["text"]
+    forced = complete(http, logit_bias={str(token_id("Q")): FORCE})["choices"][0]["text"]
+    assert forced == "Q" * 6
+    first = plain[0]
+    banned = complete(http, logit_bias={str(token_id(first)): -FORCE})["choices"][0]["text"]
+    assert first not in banned
+    in_chat = chat(http, logit_bias={str(token_id("Q")): FORCE})["choices"][0]
+    assert in_chat["message"]["content"] == "Q" * 6
+
+
+def test_min_tokens_holds_off_eos(http, eos_id):
+    bias = {str(eos_id): FORCE}  # EOS wins every step it is allowed
+    at_once = complete(http, logit_bias=bias, ignore_eos=False)
+    assert at_once["usage"]["completion_tokens"] == 1
+    assert at_once["choices"][0]["finish_reason"] == "stop"
+    held = complete(http, logit_bias=bias, ignore_eos=False, min_tokens=4, logprobs=0)
+    assert held["usage"]["completion_tokens"] == 5  # 4 tokens, then EOS
+    assert held["choices"][0]["finish_reason"] == "stop"
+    tokens = held["choices"][0]["logprobs"]["tokens"]
+    assert "<|im_end|>" not in tokens[:4] and tokens[4] == "<|im_end|>"  # masked, not ignored
+    in_chat = chat(http, logit_bias=bias, ignore_eos=False, min_tokens=3, max_tokens=10)
+    assert in_chat["usage"]["completion_tokens"] == 4
+
+
+def test_min_tokens_holds_off_stop_tokens_and_stop_strings(http, token_id):
+    z = token_id("Z")
+    bias = {str(z): FORCE}
+    stopped = complete(http, logit_bias=bias, stop_token_ids=[z], min_tokens=3)
+    assert stopped["usage"]["completion_tokens"] == 4  # Z is masked for 3 tokens, then stops
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert "Z" not in stopped["choices"][0]["text"]
+    # vLLM's rule: a stop string counts only if it ends in text of a token after min_tokens
+    assert complete(http, logit_bias=bias, stop="Z")["choices"][0]["text"] == ""
+    late = complete(http, logit_bias=bias, stop="Z", min_tokens=3)
+    assert late["choices"][0]["text"] == "ZZZ"
+    assert late["usage"]["completion_tokens"] == 4 and late["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("off", [-1, 0])
+def test_top_k_minus_one_and_zero_mean_off(http, off):
+    seeded = {"temperature": 1.0, "seed": 7}
+    plain = complete(http, **seeded)["choices"][0]["text"]
+    assert complete(http, top_k=off, **seeded)["choices"][0]["text"] == plain
+
+
+# -- unsupported fields --------------------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+BAD = {  # endpoint, extra body, the param the error names
+    "tools": ("chat", {"tools": [TOOL]}, "tools"),
+    "tool_choice auto": ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    "tool_choice a function": (
+        "chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    "functions": ("chat", {"functions": [TOOL["function"]]}, "functions"),
+    "function_call": ("chat", {"function_call": "auto"}, "function_call"),
+    "json_object": ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    "json_schema": ("completions", {"response_format": {"type": "json_schema",
+                                                        "json_schema": {"name": "x"}}},
+                    "response_format"),
+    "suffix": ("completions", {"suffix": "end"}, "suffix"),
+    "echo": ("completions", {"echo": True}, "echo"),
+    "best_of > n": ("completions", {"best_of": 3}, "best_of"),
+    "best_of < n": ("completions", {"best_of": 1, "n": 2}, "best_of"),
+    "an unknown field": ("completions", {"guided_json": {}}, "guided_json"),
+    "an unknown chat field": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
+    "an unknown message field": (
+        "chat", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
+    "continuous usage": ("completions", {"stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
+    "logit_bias key not an id": ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    "logit_bias key negative": ("completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
+    "logit_bias > 100": ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
+    "logit_bias not a number": ("completions", {"logit_bias": {"5": "1"}}, "logit_bias"),
+    "min_tokens < 0": ("completions", {"min_tokens": -1}, "min_tokens"),
+    "top_k < -1": ("completions", {"top_k": -2}, "top_k"),
+}  # fmt: skip
+# Checked by the engine against the vocabulary (259 ids): the message names the field.
+OUT_OF_VOCAB = {
+    "logit_bias id out of vocab": ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    "stop_token_ids out of vocab": ({"stop_token_ids": [100000]}, "stop_token_ids"),
+    "min_tokens > max_tokens": ({"min_tokens": 7, "max_tokens": 6}, "min_tokens"),
+}
+
+
+def post(http: httpx.Client, endpoint: str, extra: dict) -> httpx.Response:
+    if endpoint == "chat":
+        body = {"messages": MESSAGES, "max_tokens": 4, **extra}
+        return http.post("/v1/chat/completions", json=body)
+    return http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **extra})
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_unsupported_or_invalid_fields_are_400s_that_name_them(http, case):
+    endpoint, extra, param = BAD[case]
+    error = assert_openai_error(post(http, endpoint, extra), 400, param)
+    assert error["message"].startswith(param)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_VOCAB))
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_token_ids_outside_the_vocabulary_are_400s(http, case, endpoint):
+    extra, field = OUT_OF_VOCAB[case]
+    error = assert_openai_error(post(http, endpoint, extra), 400, None)
+    assert field in error["message"]
+    assert_still_serving(http)
+
+
+def test_do_nothing_values_of_unsupported_fields_are_accepted(http):
+    plain = chat(http)["choices"][0]["message"]["content"]
+    accepted = chat(http, tools=[], tool_choice="none", response_format={"type": "text"},
+                    parallel_tool_calls=False, function_call="none")  # fmt: skip
+    assert accepted["choices"][0]["message"]["content"] == plain
+    tool_reply = {"role": "tool", "content": "42", "tool_call_id": "call_1"}  # to the template
+    assert chat(http, messages=[*MESSAGES, tool_reply])["usage"]["completion_tokens"] == 6
+    plain = complete(http, n=2)["choices"][0]["text"]
+    same = complete(http, n=2, best_of=2, echo=False, suffix=None,
+                    response_format={"type": "text"})  # fmt: skip
+    assert same["choices"][0]["text"] == plain
+
+
+# -- request-level metrics -----------------------------------------------------------------
+
+
+def scrape(http: httpx.Client) -> dict[tuple[str, frozenset], float]:
+    """Every sample of /metrics: (name, its labels) -> value."""
+    samples = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            pairs = (p.split("=", 1) for p in labels.rstrip("}").split(",") if p)
+            samples[name, frozenset((k, v.strip('"')) for k, v in pairs)] = float(value)
+    return samples
+
+
+def test_request_level_metrics_match_the_usage(http, eos_id):
+    before = scrape(http)
+    by_length = complete(http, max_tokens=5)
+    by_stop = complete(http, logit_bias={str(eos_id): FORCE}, ignore_eos=False, min_tokens=2)
+    after = scrape(http)
+
+    def delta(name: str, **labels) -> float:
+        key = (name, frozenset({"model_name": MODEL_NAME, **labels}.items()))
+        return after[key] - before.get(key, 0.0)
+
+    usages = [by_length["usage"], by_stop["usage"]]
+    total = lambda field: sum(u[field] for u in usages)  # noqa: E731
+    assert by_stop["choices"][0]["finish_reason"] == "stop"
+    assert delta("vllm:request_prompt_tokens_count") == 2
+    assert delta("vllm:request_prompt_tokens_sum") == total("prompt_tokens")
+    assert delta("vllm:request_generation_tokens_sum") == total("completion_tokens")
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:request_success_total", finished_reason="stop") == 1
+    # vLLM's count per step: a prompt when its first token comes, then one per token
+    assert delta("vllm:iteration_tokens_total_sum") == total("total_tokens")
+    times = {k: delta(f"vllm:request_{k}_time_seconds_sum")
+             for k in ("queue", "prefill", "decode", "inference")}  # fmt: skip
+    for kind in times:
+        assert delta(f"vllm:request_{kind}_time_seconds_count") == 2
+        assert times[kind] >= 0
+    assert times["inference"] == pytest.approx(times["prefill"] + times["decode"])
+    e2e = delta("vllm:e2e_request_latency_seconds_sum")  # measured around the engine's record
+    assert times["queue"] + times["inference"] <= e2e
+    info = {"block_size": str(ENGINE["block_size"]), "num_gpu_blocks": str(ENGINE["num_kv_blocks"]),
+            "num_cpu_blocks": "0", "enable_prefix_caching": "True"}  # fmt: skip
+    assert after["vllm:cache_config_info", frozenset(info.items())] == 1.0
+    token_buckets = sorted(float(dict(labels)["le"]) for name, labels in after
+                           if name == "vllm:request_prompt_tokens_bucket")  # fmt: skip
+    assert token_buckets == [1, 2, 5, 10, 20, 50, 100, float("inf")]  # 1-2-5 up to the context
+
+
+def test_finished_request_stats_are_vllms_intervals():
+    timing = RequestTiming(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.25,
+                           finished_time=13.0)  # fmt: skip
+    stats = finished_request_stats(timing, "stop", num_prompt_tokens=7, num_generation_tokens=4)
+    assert (stats.queue_time, stats.prefill_time, stats.decode_time, stats.inference_time) == (
+        0.5, 0.75, 1.75, 2.5,
+    )  # fmt: skip
+    assert build_1_2_5_buckets(128) == [1, 2, 5, 10, 20, 50, 100]

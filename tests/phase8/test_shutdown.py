@@ -1,0 +1,151 @@
+"""`--shutdown-timeout` (vLLM's flag): after SIGTERM, requests in flight may run that long, no
+longer; then they are aborted (their KV blocks freed) and the process exits.
+
+In-process: uvicorn built by `cli.uvicorn_config` in a thread, over the shared test engine slowed
+down, and `should_exit` set as uvicorn's SIGTERM handler sets it. In a subprocess: the real
+`mini-vllm serve` and a real SIGTERM.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from phase8_serving.api_server import build_app
+from phase8_serving.cli import SHUTDOWN_TICK_S, build_parser, uvicorn_config
+
+SLOW_STEP_S = 0.05
+LONG_MAX_TOKENS = 40  # 2 s at SLOW_STEP_S a token: far past the deadlines below
+ABORT_DEADLINE_S = 0.3
+EXIT_MARGIN_S = 1.5  # uvicorn polls every 0.1 s; a slow step may be running; a busy machine
+SERVE_STARTUP_S = 120  # import + load on a busy 2-core machine
+
+
+@pytest.fixture
+def slow_engine(live_server, monkeypatch):
+    runner = live_server.engine.runner
+    run = runner.run
+
+    def slow_run(scheduled):
+        time.sleep(SLOW_STEP_S)
+        return run(scheduled)
+
+    monkeypatch.setattr(runner, "run", slow_run)
+    yield live_server
+    live_server.wait_until_idle(timeout=5.0)
+
+
+def serve_in_thread(live_server, shutdown_timeout: float):
+    args = build_parser().parse_args(["serve", "--shutdown-timeout", str(shutdown_timeout)])
+    server = uvicorn.Server(uvicorn_config(build_app(live_server.llm, live_server.config), args))
+    sock = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    host, port = sock.getsockname()
+    return server, thread, f"http://{host}:{port}"
+
+
+def stream_until_shutdown(url: str, max_tokens: int, server: uvicorn.Server) -> tuple[list, float]:
+    """Streams a completion; right after its first chunk, asks the server to shut down.
+    Returns the SSE payloads received and when the shutdown was asked."""
+    body = {"prompt": "long", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    payloads, asked = [], None
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    payloads.append(line[len("data: ") :])
+                    if asked is None:
+                        asked = time.perf_counter()
+                        server.should_exit = True  # what uvicorn's SIGTERM handler does
+    except httpx.TransportError:  # the connection closed mid-stream: the request was aborted
+        pass
+    return payloads, asked
+
+
+def test_flag_defaults_to_abort_at_once():
+    args = build_parser().parse_args(["serve"])
+    assert args.shutdown_timeout == 0
+    assert uvicorn_config(None, args).timeout_graceful_shutdown == SHUTDOWN_TICK_S
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--shutdown-timeout", "-1"])
+
+
+def test_requests_past_the_deadline_are_aborted(slow_engine):
+    server, thread, url = serve_in_thread(slow_engine, ABORT_DEADLINE_S)
+    tokens_before = slow_engine.llm.metrics.generation_tokens._value.get()
+    payloads, asked = stream_until_shutdown(url, LONG_MAX_TOKENS, server)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert time.perf_counter() - asked < ABORT_DEADLINE_S + EXIT_MARGIN_S
+    assert "[DONE]" not in payloads  # cut short, not finished
+    slow_engine.wait_until_idle(timeout=1.0)  # aborted: every block free
+    generated = slow_engine.llm.metrics.generation_tokens._value.get() - tokens_before
+    assert generated < LONG_MAX_TOKENS
+
+
+def test_requests_within_the_deadline_finish(slow_engine):
+    server, thread, url = serve_in_thread(slow_engine, 10.0)
+    payloads, asked = stream_until_shutdown(url, 6, server)  # ~0.3 s of work
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert time.perf_counter() - asked < 3  # exits once the request is done, not at 10 s
+    assert payloads[-1] == "[DONE]"
+    assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.slow  # a real `serve` process: ~15 s of imports and loading on 2 busy cores
+def test_sigterm_stops_the_serve_command_at_the_deadline(tiny_dir):
+    """The real command: 64 long requests queued on 2 slots (several seconds of work); SIGTERM
+    after the first chunk; the stream is cut at the deadline, and the process exits cleanly
+    (its interpreter takes ~3 s to finalize torch on the 2-core CPU machine, hence no tight
+    bound on the exit itself)."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "phase8_serving", "serve", str(tiny_dir), "--port", str(port),
+               "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu",
+               "--max-num-seqs", "2", "--shutdown-timeout", str(ABORT_DEADLINE_S)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(server, url)
+        body = {"prompt": ["a", "b", "c", "d"], "n": 16, "max_tokens": 100, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        payloads = []
+        with pytest.raises(httpx.TransportError):  # the server goes away mid-stream
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+                for line in response.iter_lines():
+                    payloads.append(line)
+                    if len(payloads) == 1:
+                        server.send_signal(signal.SIGTERM)
+                        asked = time.perf_counter()
+        assert time.perf_counter() - asked < ABORT_DEADLINE_S + EXIT_MARGIN_S
+        assert "data: [DONE]" not in payloads
+        assert server.wait(timeout=30) == 0  # through Python's exit, so the cleanup ran
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+def wait_for_health(server: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + SERVE_STARTUP_S
+    while True:
+        assert server.poll() is None, server.stderr.read().decode()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
