@@ -136,10 +136,10 @@ class AsyncLLM:
         self.engine = engine
         self.model_name = model_name
         self.stats = EngineStats()  # replaced whole after every step (readers never see a mix)
-        max_model_len = min(engine.model.config.max_position_embeddings, engine.config.num_kv_slots)
-        self.metrics = EngineMetrics(
-            model_name, lambda: self.stats, max_model_len, cache_config_info(engine.config)
-        )
+        kv = engine.kv_cache_config
+        max_model_len = min(engine.model.config.max_position_embeddings, kv.num_tokens)
+        cache_info = cache_config_info(engine.config, kv.num_blocks)
+        self.metrics = EngineMetrics(model_name, lambda: self.stats, max_model_len, cache_info)
         self._commands: queue.SimpleQueue[_Add | _Abort | _Shutdown] = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, _Timing]] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)

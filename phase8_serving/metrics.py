@@ -80,11 +80,12 @@ def finished_request_stats(
     )
 
 
-def cache_config_info(config: EngineConfig) -> dict[str, str]:
-    """The labels of `vllm:cache_config_info` (vLLM's names for our cache settings)."""
+def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
+    """The labels of `vllm:cache_config_info` (vLLM's names for our cache settings);
+    `num_blocks` is the device pool as sized at start-up (kv_cache_config.py)."""
     return {
         "block_size": str(config.block_size),
-        "num_gpu_blocks": str(config.num_kv_blocks),  # the device pool, whatever the device
+        "num_gpu_blocks": str(num_blocks),  # the device pool, whatever the device
         "num_cpu_blocks": str(config.num_cpu_kv_blocks),
         "enable_prefix_caching": str(config.enable_prefix_caching),
     }
