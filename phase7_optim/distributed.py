@@ -283,7 +283,8 @@ def run_worker(tp: TensorParallel, spec: WorkerSpec) -> None:
     from .loader import load_model
     from .model_runner import ModelRunner
 
-    loaded = load_model(spec.model_dir, spec.dtype, device, tp, spec.config.load_format)
+    config = spec.config
+    loaded = load_model(spec.model_dir, spec.dtype, device, tp, config.load_format, config.kernels)
     runner = ModelRunner(loaded.model, spec.config, block_manager=None)  # never prepares a step
     try:
         with torch.inference_mode():
