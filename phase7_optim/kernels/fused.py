@@ -7,7 +7,7 @@ about thirty. A decode step of a 28-layer model launches some 1,800 kernels, eac
 microseconds however little it does: at small batch, and even inside a CUDA graph, they take longer
 than the matmuls. Measured on the H200 before these kernels: 4.4 ms per token single-stream
 (CUDA graphs), 6.7 ms per decode step at <= 64 sequences against 1.7 ms of bytes to read.
-Idea: one program per row (per token, or per token and head) loads it once, does all the
+Idea: one program per row (per token: all its heads at once for q/k) loads it once, does all the
 arithmetic in fp32 registers, and stores the result once: one kernel instead of seven or thirty,
 each byte read and written once. Neighbours that read what the other wrote fuse further (vLLM's
 `fused_add_rms_norm`, and its rotary + cache-write kernels): the residual add with the norm after
@@ -125,37 +125,44 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rope(src, w_ptr, cos, sin, offs, eps, HALF: tl.constexpr, NORM: tl.constexpr):
-    """One head vector at `src`: RMSNorm with gain `w_ptr` (if NORM), then RoPE -> its two
-    halves, rotated, in fp32."""
-    x1 = tl.load(src + offs).to(tl.float32)
-    x2 = tl.load(src + HALF + offs).to(tl.float32)
+def _norm_rope_heads(src, w_ptr, cos, sin, offs, rows, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Head vectors at `src` (pointers to each row's first element), `rows` masking the padded
+    ones: RMSNorm each with the gain at `w_ptr` (if NORM), then RoPE -> the two rotated halves,
+    (rows, HALF) each, in fp32."""
+    x1 = tl.load(src[:, None] + offs[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(src[:, None] + HALF + offs[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
     if NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-        x1 = x1 * rstd * tl.load(w_ptr + offs).to(tl.float32)
-        x2 = x2 * rstd * tl.load(w_ptr + HALF + offs).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+        x1 = x1 * rstd[:, None] * tl.load(w_ptr + offs)[None, :].to(tl.float32)
+        x2 = x2 * rstd[:, None] * tl.load(w_ptr + HALF + offs)[None, :].to(tl.float32)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
+def _store_halves(dst, y1, y2, offs, rows, HALF: tl.constexpr):
+    ptrs = dst[:, None] + offs[None, :]
+    tl.store(ptrs, y1.to(dst.dtype.element_ty), mask=rows[:, None])
+    tl.store(ptrs + HALF, y2.to(dst.dtype.element_ty), mask=rows[:, None])
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, positions_ptr,
     stride_xt, stride_xh, stride_ot, stride_oh, stride_cos,
-    eps,
+    n_heads, eps,
+    BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, HALF)
+    offs, heads = tl.arange(0, HALF), tl.arange(0, BLOCK_H)
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + position * stride_cos + offs)
     sin = tl.load(sin_ptr + position * stride_cos + offs)
-    src = x_ptr + token * stride_xt + head * stride_xh
-    y1, y2 = _norm_rope(src, w_ptr, cos, sin, offs, eps, HALF, NORM)
-    dst = out_ptr + token * stride_ot + head * stride_oh
-    tl.store(dst + offs, y1.to(out_ptr.dtype.element_ty))
-    tl.store(dst + HALF + offs, y2.to(out_ptr.dtype.element_ty))
+    rows = heads < n_heads
+    src = x_ptr + token * stride_xt + heads * stride_xh
+    y1, y2 = _norm_rope_heads(src, w_ptr, cos, sin, offs, rows, eps, HALF, NORM)
+    _store_halves(out_ptr + token * stride_ot + heads * stride_oh, y1, y2, offs, rows, HALF)
 
 
 def qk_norm_rope(
@@ -173,10 +180,11 @@ def qk_norm_rope(
     assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_tokens:
-        _qk_norm_rope_kernel[(n_tokens, n_heads)](
+        _qk_norm_rope_kernel[(n_tokens,)](
             x, weight if weight is not None else x, out, cos, sin, positions,
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-            eps,
+            n_heads, eps,
+            BLOCK_H=triton.next_power_of_2(n_heads),
             HALF=head_dim // 2,
             NORM=weight is not None,
         )  # fmt: skip
@@ -189,40 +197,39 @@ def _qk_norm_rope_store_kernel(
     cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos,
-    eps,
-    NUM_HEADS: tl.constexpr,
+    n_heads, n_kv_heads, eps,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
     PAD_SLOT: tl.constexpr,
 ):  # fmt: skip
-    """Program (token, head): heads 0..NUM_HEADS-1 are q's, the rest k's (with v's copy)."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     offs = tl.arange(0, HALF)
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + position * stride_cos + offs)
     sin = tl.load(sin_ptr + position * stride_cos + offs)
-    if head < NUM_HEADS:
-        src = q_ptr + token * stride_qt + head * stride_qh
-        y1, y2 = _norm_rope(src, q_w_ptr, cos, sin, offs, eps, HALF, NORM)
-        dst = q_out_ptr + token * stride_ot + head * stride_oh
-        tl.store(dst + offs, y1.to(q_out_ptr.dtype.element_ty))
-        tl.store(dst + HALF + offs, y2.to(q_out_ptr.dtype.element_ty))
-    else:
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        if slot != PAD_SLOT:  # a CUDA graph's padded row writes nowhere
-            kv_head = head - NUM_HEADS
-            src = k_ptr + token * stride_kt + kv_head * stride_kh
-            y1, y2 = _norm_rope(src, k_w_ptr, cos, sin, offs, eps, HALF, NORM)
-            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-            dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
-            tl.store(dst + offs, y1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(dst + HALF + offs, y2.to(k_cache_ptr.dtype.element_ty))
-            v_src = v_ptr + token * stride_vt + kv_head * stride_vh
-            v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
-            tl.store(v_dst + offs, tl.load(v_src + offs))
-            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs))
+    heads = tl.arange(0, BLOCK_H)
+    rows = heads < n_heads
+    src = q_ptr + token * stride_qt + heads * stride_qh
+    y1, y2 = _norm_rope_heads(src, q_w_ptr, cos, sin, offs, rows, eps, HALF, NORM)
+    _store_halves(q_out_ptr + token * stride_ot + heads * stride_oh, y1, y2, offs, rows, HALF)
+
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot != PAD_SLOT:  # a CUDA graph's padded row writes nowhere
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        kv_heads = tl.arange(0, BLOCK_KV)
+        rows = kv_heads < n_kv_heads
+        src = k_ptr + token * stride_kt + kv_heads * stride_kh
+        y1, y2 = _norm_rope_heads(src, k_w_ptr, cos, sin, offs, rows, eps, HALF, NORM)
+        k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_heads * stride_kch
+        _store_halves(k_dst, y1, y2, offs, rows, HALF)
+        v_src = v_ptr + token * stride_vt + kv_heads * stride_vh
+        v1 = tl.load(v_src[:, None] + offs[None, :], mask=rows[:, None])
+        v2 = tl.load(v_src[:, None] + HALF + offs[None, :], mask=rows[:, None])
+        v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_heads * stride_vch
+        _store_halves(v_dst, v1, v2, offs, rows, HALF)
 
 
 def qk_norm_rope_store(
@@ -252,15 +259,16 @@ def qk_norm_rope_store(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n_tokens:
         norm = q_weight is not None
-        _qk_norm_rope_store_kernel[(n_tokens, n_heads + n_kv_heads)](
+        _qk_norm_rope_store_kernel[(n_tokens,)](
             q, k, v, q_weight if norm else q, k_weight if norm else k, out, k_cache, v_cache,
             cos, sin, positions, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos.stride(0),
-            eps,
-            NUM_HEADS=n_heads,
+            n_heads, n_kv_heads, eps,
+            BLOCK_H=triton.next_power_of_2(n_heads),
+            BLOCK_KV=triton.next_power_of_2(n_kv_heads),
             BLOCK_SIZE=k_cache.shape[1],
             HALF=head_dim // 2,
             NORM=norm,

@@ -56,9 +56,8 @@ class GemvConfig:
 
 def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
     """BLOCK_N 32, BLOCK_K 256; split K until the programs fill the SMs ~PROGRAMS_PER_SM deep."""
-    if device.type != "cuda":
-        return GemvConfig(block_n=16, block_k=32, split_k=2 if k % 64 == 0 else 1, num_warps=4,
-                          num_stages=1)  # fmt: skip
+    if device.type != "cuda":  # the interpreter: few, large programs are quick
+        return GemvConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=1)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     block_n, block_k = 32, 256
     chunks = k // block_k if k % block_k == 0 else 1  # an uneven K is not split
