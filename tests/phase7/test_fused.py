@@ -65,6 +65,8 @@ def test_fused_add_rms_norm_is_the_add_then_the_norm(dtype, n_cols):
     assert torch.equal(residual, expected_residual)  # updated in place, bit for bit
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out, expected, **tolerance)
+    # the norm of the rounded sum, exactly as the unfused kernels compute it
+    assert torch.equal(out, rms_norm(expected_residual, norm.weight, EPS))
 
 
 @interpreter
