@@ -10,16 +10,21 @@ weights' values) with the real Qwen3 tokenizer files beside it:
 2. the 64-request slice of W with outputs capped at 256 (benchmarks/phase6_qwen3_gpu.py):
    phase 6, transformers' static `generate`, and phase 7, all in this run;
 3. single-stream decode, a 512-token prompt and 256 new tokens, greedy: eager vs CUDA graphs,
-   ms per output token after the first (wall time minus time to first token, over 255).
+   ms per output token after the first (wall time minus time to first token, over 255);
+4. with --ablation, the `ablation` table: per lever (`LEVERS`: CUDA graphs and the kernel levers
+   of config.KernelConfig), the engine with that one lever off, W's tok/s and single-stream
+   ms/token, and what one decode step launches (torch.profiler, at batch 1 and 64): kernels per
+   step and GPU µs per kernel kind. The all-on row is the same engine as 1. and 3.
 Targets: W >= 20,000 output tok/s, single stream <= 1.0 ms/token; where short, the JSON says by
 how much and what bounds it.
 
-Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--out FILE]
+Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--ablation] [--out FILE]
 `--out` defaults to a scratch file; pass benchmarks/results/phase7_optim.json to publish. The PNG
-is written beside the JSON.
+is written beside the JSON. `--ablation-only` runs 4. alone (with --quick, on W's first 64).
 """
 
 import argparse
+import re
 import statistics
 import tempfile
 import time
@@ -47,6 +52,21 @@ MAX_NUM_SEQS = 256  # all of W at once: decode steps as large as the workload al
 MAX_NUM_BATCHED_TOKENS = 16384
 SINGLE_PROMPT, SINGLE_NEW = 512, 256
 SLICE = 64
+KERNEL_LEVERS_OFF = dict(
+    fuse_add_rms_norm=False, fuse_rope_kv_store=False, tune_decode_attention=False,
+    gemv_max_batch=0,
+)  # fmt: skip
+LEVERS = {  # ablation row: the engine settings of that row (one lever off, or all)
+    "all levers": {},
+    "no CUDA graphs": {"enforce_eager": True},
+    "no fused add + RMSNorm": {"fuse_add_rms_norm": False},
+    "no fused q/k norm + RoPE + KV store": {"fuse_rope_kv_store": False},
+    "untuned decode attention": {"tune_decode_attention": False},
+    "no GEMV": {"gemv_max_batch": 0},
+    "no kernel levers": KERNEL_LEVERS_OFF,
+}
+PROFILE_BATCHES = (1, 64)
+PROFILE_STEPS = 4
 
 
 def kv_bytes_per_token(c: dict) -> int:
@@ -155,7 +175,7 @@ def summarize(steps: list[dict]) -> dict:
     }
 
 
-def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
+def single_stream(checkpoint: Path, enforce_eager: bool, profile: bool = False, **levers) -> dict:
     llm = phase7_optim.LLM(
         checkpoint,
         dtype="bfloat16",
@@ -163,6 +183,7 @@ def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
         max_num_batched_tokens=1024,
         num_kv_blocks=64,
         enforce_eager=enforce_eager,
+        **levers,
     )
     prompt = torch.randint(0, 10000, (SINGLE_PROMPT,), generator=torch.Generator().manual_seed(0))
     prompt = prompt.tolist()
@@ -179,7 +200,93 @@ def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
     ttft = statistics.median(timed(1) for _ in range(5))
     total = statistics.median(timed(SINGLE_NEW) for _ in range(3))
     ms = (total - ttft) / (SINGLE_NEW - 1) * 1e3
-    return {"ttft_ms": ttft * 1e3, "total_s": total, "ms_per_token": ms}
+    result = {"ttft_ms": ttft * 1e3, "total_s": total, "ms_per_token": ms}
+    if profile:
+        result["decode_step_b1"] = profile_decode_step(llm, 1)
+    return result
+
+
+def profile_decode_step(llm: phase7_optim.LLM, batch: int) -> dict:
+    """What one decode step of `batch` sequences (SINGLE_PROMPT-token contexts) launches on the
+    GPU, from torch.profiler over PROFILE_STEPS steps: kernels per step and GPU µs per kind."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = phase7_optim.SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, 10000, (SINGLE_PROMPT,), generator=g).tolist(), params)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
+    engine.step()  # a decode step outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    kinds: dict[str, dict] = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        kind = kernel_kind(event.name)
+        entry = kinds.setdefault(kind, {"launches": 0, "gpu_us": 0.0})
+        entry["launches"] += 1
+        entry["gpu_us"] += event.time_range.elapsed_us()
+    per_step = {
+        k: {"launches": v["launches"] / PROFILE_STEPS, "gpu_us": v["gpu_us"] / PROFILE_STEPS}
+        for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["gpu_us"])
+    }
+    return {
+        "batch": batch,
+        "launches_per_step": sum(v["launches"] for v in per_step.values()),
+        "kernel_gpu_us_per_step": sum(v["gpu_us"] for v in per_step.values()),
+        "per_kind": per_step,
+    }
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's name without template arguments and launch shapes: cuBLAS's many GEMM kernels
+    are one kind ("cublas gemm"), each Triton kernel its own."""
+    if re.search(r"gemm|gemv|nvjet|cutlass|sm90_xmma", name, re.IGNORECASE):
+        return "cublas gemm/gemv"
+    if name.startswith("Memcpy") or name.startswith("Memset"):
+        return name.split(" (")[0]
+    name = name.removeprefix("void ")
+    if "at::native" in name:  # torch's element-wise kernels: the functor says which op
+        return name.split("(")[0][:100]
+    return re.sub(r"<.*", "", name).split("(")[0].strip()[:80]
+
+
+def ablation(checkpoint: Path, workload: list[Request], levers: dict[str, dict]) -> dict:
+    """Each row: the engine with these settings; W tok/s, single-stream ms/token, and what a
+    decode step launches at batch 1 (the single-stream engine) and 64 (the W engine)."""
+    rows = {}
+    for name, settings in levers.items():
+        row: dict = {"settings": settings}
+        eager = settings.get("enforce_eager", False)
+        kernel_settings = {k: v for k, v in settings.items() if k != "enforce_eager"}
+        single = single_stream(checkpoint, eager, profile=True, **kernel_settings)
+        row["single_stream_ms_per_token"] = single["ms_per_token"]
+        row["decode_step_b1"] = single["decode_step_b1"]
+        torch.cuda.empty_cache()
+        llm = make_llm(checkpoint, workload, **settings)
+        row["w_tok_s"] = throughput(llm, workload)["tok_s"]
+        row["decode_step_b64"] = profile_decode_step(llm, 64)
+        del llm
+        torch.cuda.empty_cache()
+        rows[name] = row
+        print(
+            f"{name:38} W {row['w_tok_s']:8.0f} tok/s  single {single['ms_per_token']:.3f} ms/tok"
+            f"  launches/step b1 {row['decode_step_b1']['launches_per_step']:.0f}"
+            f" b64 {row['decode_step_b64']['launches_per_step']:.0f}",
+            flush=True,
+        )
+    return rows
 
 
 def verdict(w: dict, profile: dict, single: dict) -> dict:
@@ -291,6 +398,15 @@ def main():
         default=Path(tempfile.gettempdir()) / "phase7.json",
         help="JSON path (a scratch file by default); the PNG goes beside it",
     )
+    parser.add_argument(
+        "--ablation", action="store_true", help="add the ablation table (each lever off in turn)"
+    )
+    parser.add_argument(
+        "--ablation-only", action="store_true", help="only the ablation table (a JSON, no PNG)"
+    )
+    parser.add_argument(
+        "--levers", default=",".join(LEVERS), help="comma-separated ablation rows (LEVERS' keys)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -301,6 +417,14 @@ def main():
     capped = [Request(r.prompt_ids, min(r.max_tokens, MAX_OUTPUT)) for r in full_w[:SLICE]]
     kv_per_token = kv_bytes_per_token(QWEN3_0_6B)
     result = {}
+    levers = {name: LEVERS[name] for name in args.levers.split(",")}
+    if args.ablation_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
+            result["ablation"] = ablation(checkpoint, w, levers)
+        result["workload"] = {"w": f"{len(w)} requests of workload W", "quick": args.quick}
+        print(f"wrote {write_result('phase7_optim_ablation', result, args.out)}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
         llm = make_llm(checkpoint, w)
@@ -316,6 +440,8 @@ def main():
             "eager": single_stream(checkpoint, enforce_eager=True),
             "graphs": single_stream(checkpoint, enforce_eager=False),
         }
+        if args.ablation:
+            result["ablation"] = ablation(checkpoint, w, levers)
         if not args.quick:
             result["phase6_slice"] = run_phase6(checkpoint, capped)
             torch.cuda.empty_cache()

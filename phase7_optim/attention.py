@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import KernelConfig
+from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import SINGLE_RANK, TensorParallel
 from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
@@ -197,7 +197,7 @@ class TorchAttention:
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         return context_attention(q, k_cache, v_cache, batch)
 
-    def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=KernelConfig()) -> torch.Tensor:
+    def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=DEFAULT_KERNELS) -> torch.Tensor:
         self.store(k, v, k_cache, v_cache, batch)
         return self.attend(q, k_cache, v_cache, batch, kernels)
 
@@ -227,7 +227,7 @@ class TritonAttention:
             batch.max_query_len, scale,
         )  # fmt: skip
 
-    def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=KernelConfig()) -> torch.Tensor:
+    def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=DEFAULT_KERNELS) -> torch.Tensor:
         self.store(k, v, k_cache, v_cache, batch)
         return self.attend(q, k_cache, v_cache, batch, kernels)
 
@@ -274,7 +274,7 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
         tp: TensorParallel = SINGLE_RANK,
-        kernels: KernelConfig = KernelConfig(),
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:

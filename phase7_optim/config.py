@@ -69,6 +69,7 @@ class KernelConfig:
 
 
 MAX_GEMV_BATCH = 16  # rows the GEMV kernel's tile holds (tl.dot's smallest M on a GPU)
+DEFAULT_KERNELS = KernelConfig()  # every lever on: what a model built without one runs
 
 
 @dataclass(frozen=True)

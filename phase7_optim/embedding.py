@@ -20,7 +20,7 @@ Invariant: with `tp.size == 1` both are the plain lookup and matmul, no communic
 import torch
 from torch import nn
 
-from .config import KernelConfig
+from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import TensorParallel, all_gather_last_dim, all_reduce
 from .linear import LinearKernel, WeightShard, linear_weight
 
@@ -59,7 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(
         self, vocab_size: int, hidden_size: int, tp: TensorParallel,
-        kernels: KernelConfig = KernelConfig(),
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):  # fmt: skip
         super().__init__(vocab_size, hidden_size, tp)
         self.matmul = LinearKernel(kernels)  # at batch 1 the largest GEMV of the step

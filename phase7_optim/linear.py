@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import KernelConfig
+from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import TensorParallel, all_reduce
 
 
@@ -91,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         output_sizes: tuple[int, ...],
         tp: TensorParallel,
         local_sizes: tuple[int, ...] | None = None,  # None: each output split evenly
-        kernels: KernelConfig = KernelConfig(),
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         super().__init__()
         self.tp = tp
@@ -132,7 +132,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_heads: int,
         num_kv_heads: int,
         tp: TensorParallel,
-        kernels: KernelConfig = KernelConfig(),
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         local_heads = tp.split(num_heads, "num_heads")
         local_kv_heads = kv_heads_per_rank(num_kv_heads, tp)
@@ -173,7 +173,7 @@ class RowParallelLinear(nn.Module):
         input_size: int,
         output_size: int,
         tp: TensorParallel,
-        kernels: KernelConfig = KernelConfig(),
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         super().__init__()
         self.tp = tp

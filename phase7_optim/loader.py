@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import LOAD_FORMATS, KernelConfig
+from .config import DEFAULT_KERNELS, LOAD_FORMATS, KernelConfig
 from .distributed import SINGLE_RANK, TensorParallel
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear, WeightShard
@@ -90,7 +90,7 @@ def load_model(
     device: torch.device | str | None = "cpu",
     tp: TensorParallel = SINGLE_RANK,
     load_format: str = "auto",
-    kernels: KernelConfig = KernelConfig(),
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> LoadedModel:
     """Load a checkpoint for inference (eval mode, no gradients): rank `tp.rank`'s shard of it.
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import KernelConfig
+from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import TensorParallel
 from .linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -26,7 +26,7 @@ class MLP(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         tp: TensorParallel,
-        kernels: KernelConfig = KernelConfig(),
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         super().__init__()
         sizes = (intermediate_size, intermediate_size)  # shard ids 0: gate_proj, 1: up_proj

@@ -15,10 +15,10 @@ The same class serves Llama-family checkpoints (SmolLM2, Llama 3 without RoPE sc
 
 Phase 7 (tensor parallelism): the model is built for one rank of a `TensorParallel` group and
 holds only that rank's slice of every matrix (linear.py, embedding.py); norms and RoPE tables are
-replicated. It is also built with a `KernelConfig`: which fused and small-batch kernels its CUDA
-path runs (config.py); the torch path on CPU ignores it. Matrices that read the same input are stacked in one matmul, as vLLM does:
+replicated. Matrices that read the same input are stacked in one matmul, as vLLM does:
 `qkv_proj` holds q_proj, k_proj and v_proj, `gate_up_proj` holds gate_proj and up_proj; the loader
-maps the checkpoint's names onto them (`STACKED_PARAMS`).
+maps the checkpoint's names onto them (`STACKED_PARAMS`). It is also built with a `KernelConfig`:
+which fused and small-batch kernels its CUDA path runs (config.py); the torch path ignores it.
 
 Invariants:
 - `state_dict()` keys are the checkpoint keys (plus `lm_head.weight` when tied), with the stacked
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .attention import ForwardBatch
-from .config import KernelConfig
+from .config import DEFAULT_KERNELS, KernelConfig
 from .decoder import DecoderLayer
 from .distributed import SINGLE_RANK, TensorParallel
 from .embedding import ParallelLMHead, VocabParallelEmbedding
@@ -176,7 +176,7 @@ class Qwen3ForCausalLM(nn.Module):
         self,
         config: ModelConfig,
         tp: TensorParallel = SINGLE_RANK,
-        kernels: KernelConfig = KernelConfig(),
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         super().__init__()
         self.config = config

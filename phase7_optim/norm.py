@@ -14,11 +14,13 @@ RMSNorm does: residual <- x + residual, then the norm of it, and returns both; w
 import torch
 from torch import nn
 
-from .config import KernelConfig
+from .config import DEFAULT_KERNELS, KernelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, kernels: KernelConfig = KernelConfig()):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, kernels: KernelConfig = DEFAULT_KERNELS
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))

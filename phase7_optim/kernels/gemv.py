@@ -55,15 +55,21 @@ class GemvConfig:
 
 
 def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
-    """BLOCK_N 32, BLOCK_K 256; split K until the programs fill the SMs ~PROGRAMS_PER_SM deep."""
+    """BLOCK_N 32, BLOCK_K 256; K split until the programs fill the SMs ~PROGRAMS_PER_SM deep."""
     if device.type != "cuda":  # the interpreter: few, large programs are quick
         return GemvConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=1)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     block_n, block_k = 32, 256
-    chunks = k // block_k if k % block_k == 0 else 1  # an uneven K is not split
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, triton.cdiv(n, block_n))
-    split_k = max(s for s in range(1, chunks + 1) if chunks % s == 0 and s <= max(wanted, 1))
+    split_k = choose_split_k(n, k, block_n, block_k, PROGRAMS_PER_SM * num_sms)
     return GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
+
+
+def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
+    """The largest split of K into whole BLOCK_K chunks that keeps the grid near `programs`
+    (an uneven K is not split)."""
+    chunks = k // block_k if k % block_k == 0 else 1
+    wanted = max(1, triton.cdiv(programs, triton.cdiv(n, block_n)))
+    return max(s for s in range(1, chunks + 1) if chunks % s == 0 and s <= wanted)
 
 
 def counters_for(n: int, device: torch.device) -> torch.Tensor:

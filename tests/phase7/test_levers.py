@@ -79,44 +79,32 @@ def test_gemv_matches_matmul(dtype, m, n, k, config):
 
 @interpreter
 def test_gemv_on_tensor_parallel_shards_adds_up_to_the_whole_layer():
-    """The slices two ranks hold (QKV: by heads, KV replicated below one head a rank; o_proj: by
-    input features): each rank's GEMV, concatenated or summed as the collectives would, is the
+    """The slices two ranks hold (QKV: by heads, with its q, k and v pieces; o_proj: by input
+    features): each rank's GEMV, concatenated or summed as the collectives would, is the
     unsharded product."""
     torch.manual_seed(1)
     hidden, head_dim, heads, kv_heads = 64, 16, 4, 2
     x = torch.randn(2, hidden)
-    for make, combine in (
-        (lambda tp: QKVParallelLinear(hidden, head_dim, heads, kv_heads, tp), "cat"),
-        (lambda tp: RowParallelLinear(heads * head_dim, hidden, tp), "sum"),
-    ):
-        whole = make(TensorParallel(0, 1)).weight.detach()
-        ranks = [make(TensorParallel(r, 2)) for r in range(2)]
-        pieces = []
-        for layer in ranks:
-            local = shard_of(whole, layer)
-            inputs = x if combine == "cat" else torch.randn(2, local.shape[1])
-            pieces.append((inputs, local))
-        if combine == "cat":
-            got = [gemv(i, w, counters_for(w.shape[0], i.device)) for i, w in pieces]
-            want = [i @ w.T for i, w in pieces]
-            torch.testing.assert_close(torch.cat(got, -1), torch.cat(want, -1), **TOLERANCES[x.dtype])
-        else:
-            got = sum(gemv(i, w, counters_for(w.shape[0], i.device)) for i, w in pieces)
-            full_x = torch.cat([i for i, _ in pieces], -1)
-            torch.testing.assert_close(got, full_x @ whole.T, **TOLERANCES[x.dtype])
+    qkv = lambda tp: QKVParallelLinear(hidden, head_dim, heads, kv_heads, tp)  # noqa: E731
+    whole = qkv(TensorParallel(0, 1)).weight.detach()
+    q_kv = torch.split(whole, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+    per_rank = []
+    for rank in range(2):
+        layer = qkv(TensorParallel(rank, 2))
+        specs = [layer.shard(shard_id) for shard_id in layer.SHARD_IDS]
+        local = torch.cat([w[s.start : s.start + s.size] for w, s in zip(q_kv, specs, strict=True)])
+        per_rank.append(gemv(x, local, counters_for(local.shape[0], x.device)))
+    pieces = [torch.split(y, [heads * head_dim // 2, head_dim, head_dim], -1) for y in per_rank]
+    gathered = torch.cat([torch.cat(part, -1) for part in zip(*pieces, strict=True)], -1)
+    torch.testing.assert_close(gathered, x @ whole.T, atol=1e-5, rtol=1e-5)
 
-
-def shard_of(whole: torch.Tensor, layer) -> torch.Tensor:
-    """The rows or columns of the unsharded weight that `layer`'s rank holds (its `shard` specs)."""
-    if isinstance(layer, QKVParallelLinear):
-        parts = []
-        for shard_id in layer.SHARD_IDS:
-            spec = layer.shard(shard_id)
-            offset = sum(layer.output_sizes[: layer.SHARD_IDS.index(shard_id)])
-            parts.append(whole[offset + spec.start : offset + spec.start + spec.size])
-        return torch.cat(parts)
-    spec = layer.shard()
-    return whole[:, spec.start : spec.start + spec.size]
+    o_proj = RowParallelLinear(heads * head_dim, hidden, TensorParallel(0, 1)).weight.detach()
+    attn = torch.randn(2, heads * head_dim)
+    summed = sum(
+        gemv(part, w, counters_for(hidden, x.device))
+        for part, w in zip(attn.chunk(2, -1), o_proj.chunk(2, -1), strict=True)
+    )  # what the all-reduce adds
+    torch.testing.assert_close(summed, attn @ o_proj.T, atol=1e-5, rtol=1e-5)
 
 
 # ---- one decode step: launches and logits ------------------------------------------------------
