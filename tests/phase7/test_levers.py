@@ -219,3 +219,26 @@ def test_decode_step_with_every_lever_equals_the_torch_path(qk_norm):
     for layer in range(TINY.num_layers):  # the fused store wrote this step's K/V where torch did
         for ours, theirs in ((cache.k, expected_cache.k), (cache.v, expected_cache.v)):
             torch.testing.assert_close(ours[layer], theirs[layer], atol=1e-5, rtol=1e-5)
+
+
+# ---- GPU: the H200 -----------------------------------------------------------------------------
+
+QWEN3_0_6B_LINEARS = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
+TP2_SHARDS = [(2048, 1024), (1024, 1024), (3072, 1024), (1024, 1536)]  # one rank's of two
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n, k", QWEN3_0_6B_LINEARS + TP2_SHARDS)
+def test_gpu_gemv_in_bf16(m, n, k):
+    """Against the fp32 product, as closely as cuBLAS's own bf16 result is."""
+    torch.manual_seed(3)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    counters = counters_for(n, x.device)
+    expected = x.float() @ weight.float().T
+    cublas_error = (torch.nn.functional.linear(x, weight).float() - expected).abs().max()
+    for _ in range(2):
+        error = (gemv(x, weight, counters).float() - expected).abs().max()
+        assert error <= 2 * cublas_error + 1e-3, f"{error:.2e} vs cuBLAS {cublas_error:.2e}"
+    assert not counters.any()
