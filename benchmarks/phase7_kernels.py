@@ -291,7 +291,7 @@ W_MIX_SWEEP = [
         (128, 8, 3),
     )
 ]  # fmt: skip
-W_MIX_SPLITS = [1, 2, 4, 8, 16]
+W_MIX_SPLITS = [1, 2, 4, 8]
 
 
 def graph_ms_per_call(calls) -> float:
@@ -357,7 +357,7 @@ QWEN3_LINEARS = {  # name: (out_features N, in_features K), Qwen3-0.6B at one ra
     "down_proj": (1024, 3072),
     "lm_head": (151936, 1024),
 }
-GEMV_BATCHES = [1, 2, 4, 8, 16]
+GEMV_BATCHES = [1, 4, 8, 16]
 L2_BYTES = 60 * 2**20  # the H200's, as torch reports it
 GEMV_SWEEP = [  # (block_n, block_k, num_warps, num_stages); the split from 1, 2, 4 programs/SM
     (16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4),

@@ -262,9 +262,10 @@ def kernel_kind(name: str) -> str:
     return re.sub(r"<.*", "", name).split("(")[0].strip()[:80]
 
 
-def ablation(checkpoint: Path, workload: list[Request], levers: dict[str, dict]) -> dict:
+def ablation(checkpoint: Path, workload: list[Request], levers: dict[str, dict], save=None) -> dict:
     """Each row: the engine with these settings; W tok/s, single-stream ms/token, and what a
-    decode step launches at batch 1 (the single-stream engine) and 64 (the W engine)."""
+    decode step launches at batch 1 (the single-stream engine) and 64 (the W engine). `save`,
+    if given, is called with the rows so far after each one."""
     rows = {}
     for name, settings in levers.items():
         row: dict = {"settings": settings}
@@ -286,6 +287,8 @@ def ablation(checkpoint: Path, workload: list[Request], levers: dict[str, dict])
             f" b64 {row['decode_step_b64']['launches_per_step']:.0f}",
             flush=True,
         )
+        if save is not None:
+            save(rows)
     return rows
 
 
@@ -419,11 +422,14 @@ def main():
     result = {}
     levers = {name: LEVERS[name] for name in args.levers.split(",")}
     if args.ablation_only:
+        result["workload"] = {"w": f"{len(w)} requests of workload W", "quick": args.quick}
+
+        def save(rows):
+            write_result("phase7_optim_ablation", {**result, "ablation": rows}, args.out)
+
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
-            result["ablation"] = ablation(checkpoint, w, levers)
-        result["workload"] = {"w": f"{len(w)} requests of workload W", "quick": args.quick}
-        print(f"wrote {write_result('phase7_optim_ablation', result, args.out)}")
+            ablation(checkpoint, w, levers, save)
         return
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
