@@ -220,16 +220,16 @@ def _qk_norm_rope_store_kernel(
     if slot != PAD_SLOT:  # a CUDA graph's padded row writes nowhere
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         kv_heads = tl.arange(0, BLOCK_KV)
-        rows = kv_heads < n_kv_heads
-        src = k_ptr + token * stride_kt + kv_heads * stride_kh
-        y1, y2 = _norm_rope_heads(src, k_w_ptr, cos, sin, offs, rows, eps, HALF, NORM)
+        kv_rows = kv_heads < n_kv_heads
+        k_src = k_ptr + token * stride_kt + kv_heads * stride_kh
+        k1, k2 = _norm_rope_heads(k_src, k_w_ptr, cos, sin, offs, kv_rows, eps, HALF, NORM)
         k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_heads * stride_kch
-        _store_halves(k_dst, y1, y2, offs, rows, HALF)
+        _store_halves(k_dst, k1, k2, offs, kv_rows, HALF)
         v_src = v_ptr + token * stride_vt + kv_heads * stride_vh
-        v1 = tl.load(v_src[:, None] + offs[None, :], mask=rows[:, None])
-        v2 = tl.load(v_src[:, None] + HALF + offs[None, :], mask=rows[:, None])
+        v1 = tl.load(v_src[:, None] + offs[None, :], mask=kv_rows[:, None])
+        v2 = tl.load(v_src[:, None] + HALF + offs[None, :], mask=kv_rows[:, None])
         v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_heads * stride_vch
-        _store_halves(v_dst, v1, v2, offs, rows, HALF)
+        _store_halves(v_dst, v1, v2, offs, kv_rows, HALF)
 
 
 def qk_norm_rope_store(
