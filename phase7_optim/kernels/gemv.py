@@ -121,8 +121,10 @@ def _gemv_kernel(
     else:
         tile = offs_m[:, None] * N + offs_n[None, :]  # partial sums: (SPLIT_K, BLOCK_M, N) fp32
         tl.store(partial_ptr + split * BLOCK_M * N + tile, acc, mask=out_mask)
-        # acq_rel: our partial is visible before the count, and the others' before we read them
-        if tl.atomic_add(counters_ptr + pid_n, 1) == SPLIT_K - 1:
+        # every thread's stores are done (barrier) and, by the atomic's release, visible to the
+        # GPU before the count; its acquire makes the others' partials visible to the last one
+        tl.debug_barrier()
+        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # ".cg": from L2, where the other SMs wrote
                 total += tl.load(partial_ptr + s * BLOCK_M * N + tile, mask=out_mask,
