@@ -325,7 +325,7 @@ def bench_decode_w_mix(cache, batch, config, num_splits=None) -> dict:
     return {"us": ms * 1e3, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "layers": layers}
 
 
-def run_decode_w_mix(cache, results, copy_gbps, save) -> None:
+def run_decode_w_mix(cache, results, copy_gbps, save, sweep: bool = True) -> None:
     rows = results.setdefault("decode_w_mix", [])
     for batch in W_MIX_BATCHES:
         row = {"batch": batch}
@@ -334,11 +334,11 @@ def run_decode_w_mix(cache, results, copy_gbps, save) -> None:
             row.update({f"{name}_us": r["us"], f"{name}_pct_of_copy": 100 * r["GBps"] / copy_gbps})
         row["sweep"] = [
             {**vars(c), **try_bench(lambda c=c, b=batch: bench_decode_w_mix(cache, b, c))}
-            for c in W_MIX_SWEEP
+            for c in (W_MIX_SWEEP if sweep else [])
         ]
         row["splits"] = [
             {"num_splits": n, **bench_decode_w_mix(cache, batch, TUNED_DECODE_CONFIG, n)}
-            for n in W_MIX_SPLITS
+            for n in (W_MIX_SPLITS if sweep else [])
         ]
         for r in row["sweep"] + row["splits"]:
             if "GBps" in r:
@@ -379,7 +379,7 @@ def bench_linear(n, k, batch, config=None, cublas=False) -> dict:
     return {"us": ms * 1e3, "GBps": weight_bytes / (ms * 1e-3) / 1e9}
 
 
-def run_gemv(results, copy_gbps, save) -> None:
+def run_gemv(results, copy_gbps, save, sweeps: bool = True) -> None:
     num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     rows = results.setdefault("gemv", [])
     for name, (n, k) in QWEN3_LINEARS.items():
@@ -393,7 +393,7 @@ def run_gemv(results, copy_gbps, save) -> None:
                 row[f"{kind}_b{batch}_us"] = r["us"]
                 row[f"{kind}_b{batch}_pct_of_copy"] = 100 * r["GBps"] / copy_gbps
         sweep = row.setdefault("sweep_b1", [])
-        for block_n, block_k, warps, stages in GEMV_SWEEP:
+        for block_n, block_k, warps, stages in GEMV_SWEEP if sweeps else []:
             for per_sm in (1, 2, 4):
                 split = choose_split_k(n, k, block_n, block_k, per_sm * num_sms)
                 config = GemvConfig(block_n, block_k, split, warps, stages)
@@ -401,8 +401,9 @@ def run_gemv(results, copy_gbps, save) -> None:
                 sweep.append({**vars(config), **r})
                 if "GBps" in r:
                     sweep[-1]["pct_of_copy"] = 100 * r["GBps"] / copy_gbps
-        best = max((r for r in sweep if "GBps" in r), key=lambda r: r["GBps"])
-        row["best_b1"] = best
+        timed = [r for r in sweep if "GBps" in r]
+        if timed:
+            row["best_b1"] = max(timed, key=lambda r: r["GBps"])
         rows.append(row)
         print({key: v for key, v in row.items() if key != "sweep_b1"}, flush=True)
         save()
@@ -453,6 +454,9 @@ def main():
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--commit", default=os.environ.get("MINI_VLLM_COMMIT"))
     parser.add_argument(
+        "--no-sweeps", action="store_true", help="defaults and baselines only, no config sweeps"
+    )
+    parser.add_argument(
         "--levers-only",
         action="store_true",
         help="only decode at W's mix, the GEMV and the fused kernels (a few minutes)",
@@ -494,8 +498,9 @@ def main():
         )
         save()
         return
-    run_decode_w_mix(cache, results, results["copy_bandwidth_GBps"], save)
-    run_gemv(results, results["copy_bandwidth_GBps"], save)
+    sweeps = not args.no_sweeps
+    run_decode_w_mix(cache, results, results["copy_bandwidth_GBps"], save, sweeps)
+    run_gemv(results, results["copy_bandwidth_GBps"], save, sweeps)
     run_fused(results, save)
     if args.levers_only:
         return

@@ -33,7 +33,7 @@ import triton.language as tl
 
 BLOCK_M = 16  # x's rows, padded: tl.dot's smallest M on a GPU (config.MAX_GEMV_BATCH)
 PROGRAMS_PER_SM = 2  # the split heuristic's aim
-INTERPRETER_NUM_SMS = 4
+WIDE_N = 32768  # output features from which a layer is an LM head: wider tiles
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,24 @@ class GemvConfig:
 
 
 def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
-    """BLOCK_N 32, BLOCK_K 256; K split until the programs fill the SMs ~PROGRAMS_PER_SM deep."""
     if device.type != "cuda":  # the interpreter: few, large programs are quick
         return GemvConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=1)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    block_n, block_k = 32, 256
-    split_k = choose_split_k(n, k, block_n, block_k, PROGRAMS_PER_SM * num_sms)
+    return gemv_config_for(n, k, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def gemv_config_for(n: int, k: int, num_sms: int) -> GemvConfig:
+    """The H200 sweep at batch 1 (benchmarks/results/phase7_kernels.json, "gemv"): a tile per
+    program narrow enough that the output tiles alone cover the SMs (BLOCK_N 16 or 32, 64 for an
+    LM head's vocabulary), and a K split only for layers too narrow for that (~2 per SM)."""
+    if n >= WIDE_N:
+        block_n, block_k = 64, 128
+    elif triton.cdiv(n, 32) < num_sms <= triton.cdiv(n, 16):
+        block_n, block_k = 16, 256
+    else:
+        block_n, block_k = 32, 128
+    split_k = 1
+    if triton.cdiv(n, block_n) < num_sms:
+        split_k = choose_split_k(n, k, block_n, block_k, PROGRAMS_PER_SM * num_sms)
     return GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
 
 

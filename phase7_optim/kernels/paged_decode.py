@@ -65,9 +65,12 @@ class DecodeConfig:
 
 
 BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
-# benchmarks/results/phase7_kernels.json, "decode_w_mix": the best of the sweep at W's contexts
+# The H200 at W's mix (benchmarks/results/phase7_kernels.json, "decode_w_mix"): two splits
+# beat one even at batch 256 (90% of copy bandwidth against 88%; batch 128: 85% against 79%),
+# since a split of a long context no longer finishes last; short contexts split finer (a
+# single stream's 512-768 tokens in 16 splits, not 4); (64, 4, 3) was the best tile overall.
 TUNED_DECODE_CONFIG = DecodeConfig(
-    block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, min_tokens_per_split=64,
+    block_n=64, num_warps=4, num_stages=3, programs_per_sm=16, min_tokens_per_split=64,
     direct_single_split=True,
 )  # fmt: skip
 

@@ -19,7 +19,12 @@ pytest.importorskip("triton", reason="the phase 7 kernels need triton (pip insta
 from phase7_optim.attention import ForwardBatch, TorchAttention, TritonAttention  # noqa: E402
 from phase7_optim.config import EngineConfig, KernelConfig  # noqa: E402
 from phase7_optim.distributed import TensorParallel  # noqa: E402
-from phase7_optim.kernels.gemv import GemvConfig, counters_for, gemv  # noqa: E402
+from phase7_optim.kernels.gemv import GemvConfig, counters_for, gemv, gemv_config_for  # noqa: E402
+from phase7_optim.kernels.paged_decode import (  # noqa: E402
+    BASELINE_DECODE_CONFIG,
+    TUNED_DECODE_CONFIG,
+    choose_num_splits,
+)
 from phase7_optim.kv_cache import KVCache  # noqa: E402
 from phase7_optim.linear import QKVParallelLinear, RowParallelLinear  # noqa: E402
 from phase7_optim.model import ModelConfig, Qwen3ForCausalLM  # noqa: E402
@@ -51,6 +56,32 @@ def test_gemv_is_used_only_below_the_threshold_and_on_the_triton_path():
         on_cpu = KernelConfig(gemv_max_batch=4, interpret_on_cpu=True)
         assert on_cpu.use_gemv(torch.zeros(4, 8)) and not on_cpu.use_gemv(torch.zeros(5, 8))
         assert not KernelConfig(gemv_max_batch=0, interpret_on_cpu=True).use_gemv(torch.zeros(1, 8))
+
+
+# ---- the tuned launch choices (the H200: 132 SMs) -----------------------------------------------
+
+
+def test_gemv_configs_are_the_h200_sweeps_best_on_qwen3_0_6b():
+    best = {  # (N, K): (block_n, block_k, split_k), benchmarks/phase7_kernels.py's sweep
+        (4096, 1024): (16, 256, 1),  # qkv_proj: 256 narrow tiles, no split
+        (1024, 2048): (32, 128, 8),  # o_proj: 32 tiles, K split 8 ways
+        (6144, 1024): (32, 128, 1),  # gate_up_proj
+        (1024, 3072): (32, 128, 8),  # down_proj
+        (151936, 1024): (64, 128, 1),  # lm_head
+    }
+    for (n, k), tiles in best.items():
+        config = gemv_config_for(n, k, num_sms=132)
+        assert (config.block_n, config.block_k, config.split_k) == tiles, (n, k)
+
+
+def test_tuned_decode_splits_at_ws_mix():
+    engine_context = 40960  # a CUDA graph's block table covers Qwen3's whole context
+    assert choose_num_splits(256, 8, engine_context, 132, BASELINE_DECODE_CONFIG) == 1
+    assert choose_num_splits(256, 8, engine_context, 132, TUNED_DECODE_CONFIG) == 2
+    assert choose_num_splits(128, 8, engine_context, 132, TUNED_DECODE_CONFIG) == 3
+    # a single stream's engine (64 blocks of 16): 16 splits of its short context, not 4
+    assert choose_num_splits(1, 8, 1024, 132, BASELINE_DECODE_CONFIG) == 4
+    assert choose_num_splits(1, 8, 1024, 132, TUNED_DECODE_CONFIG) == 16
 
 
 # ---- the GEMV kernel ---------------------------------------------------------------------------
