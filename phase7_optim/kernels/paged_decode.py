@@ -65,10 +65,12 @@ class DecodeConfig:
 
 
 BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
-# The H200 at W's mix (benchmarks/results/phase7_kernels.json, "decode_w_mix"): two splits
-# beat one even at batch 256 (90% of copy bandwidth against 88%; batch 128: 85% against 79%),
-# since a split of a long context no longer finishes last; short contexts split finer (a
-# single stream's 512-768 tokens in 16 splits, not 4); (64, 4, 3) was the best tile overall.
+# The H200 at W's mix (benchmarks/phase7_kernels.py, `run_decode_w_mix`, 2026-12-01), % of
+# copy bandwidth, tuned (baseline): batch 256 90 (86), 128 84 (77), 64 77 (72), 32 65 (62),
+# 8 25 (30), 1 4.5 (4.5): aiming at 16 programs per SM gives batch 128-256 two or three splits,
+# so no sequence's whole long context finishes last; a short context splits finer (a single
+# stream's 512-768 tokens in 16 splits, not 4: 4.4 µs a layer, not 7.8); (64, 4, 3) was the best
+# tile overall. Batch 8 loses (33 splits are too many for its contexts).
 TUNED_DECODE_CONFIG = DecodeConfig(
     block_n=64, num_warps=4, num_stages=3, programs_per_sm=16, min_tokens_per_split=64,
     direct_single_split=True,
