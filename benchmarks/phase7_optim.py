@@ -325,7 +325,8 @@ def shortfall_notes(result: dict) -> list[str]:
             f"{every['total_wall_s']:.2f} s): the {decode['steps']} decode steps took "
             f"{decode['total_gpu_s']:.2f} s on the GPU against {decode['floor_s']:.2f} s of bytes "
             f"(weights + KV at the copy bandwidth); the difference is a fixed cost per step of "
-            f"some 400 launches inside each graph (14 kernels a layer), paid whatever the batch. "
+            f"some 330 launches inside each graph (about 11 kernels a layer), and decode "
+            f"attention below the copy bandwidth at W's shorter contexts. "
             f"The host adds {every['total_host_s']:.2f} s ({v['w_host_share']:.0%}) that nothing "
             f"overlaps yet; {eager['steps'] if eager else 0} prefill steps took "
             f"{eager['total_gpu_s'] if eager else 0:.2f} s."
@@ -336,10 +337,11 @@ def shortfall_notes(result: dict) -> list[str]:
         notes.append(
             f"Single stream: {result['single_stream']['graphs']['ms_per_token']:.2f} ms/token, "
             f"{v['single_stream_shortfall_ms']:.2f} ms over {TARGET_MS_PER_TOKEN}. A batch-1 "
-            f"graph replay takes {gpu:.2f} ms of GPU time in W's tail: 112 cuBLAS GEMVs at "
-            f"6-8 us each plus ~280 small kernels; the rest is the host's step. Getting under "
-            f"1 ms needs fewer kernels (q/k norm + RoPE + KV store in one, residual add + norm) "
-            f"and the next step's host work overlapped with this one's GPU work."
+            f"graph replay takes {gpu:.2f} ms of GPU time in W's tail: 112 linear layers at "
+            f"~5-7 us each (a kernel of a few MB costs ~5 us however it is written), the LM "
+            f"head's 80 us, and ~190 small kernels; the rest is the host's step. Getting under "
+            f"1 ms needs fewer, fused linear kernels (o_proj into attention, gate/up + SiLU + "
+            f"down in one) and the next step's host work overlapped with this one's GPU work."
         )
     return notes
 
