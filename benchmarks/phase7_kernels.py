@@ -11,12 +11,21 @@ Workload (Qwen3-0.6B attention: 16 query heads, 8 KV heads, head_dim 128, bf16, 
   CUDA graphs sees it) and replayed from a CUDA graph (the kernels' GPU time). Bandwidth =
   bytes of K/V read (+ q and out) / time, against a device-to-device copy of 2 GiB measured in
   the same run (bytes read + written / time).
+- decode at workload W's mix (`decode_w_mix`): contexts drawn uniformly from 100-2,000 tokens,
+  batch 1-256, block size 16, block tables as wide as the engine's graphs capture them (Qwen3's
+  40,960 positions), several layers' worth of separate caches per CUDA graph so small batches
+  read from HBM and not from L2: the tuned decode launch against the baseline, and a sweep.
+- the kernel levers (`levers`): the small-batch GEMV against cuBLAS (F.linear) on Qwen3-0.6B's
+  linear layers at batch 1-16, bandwidth = weight bytes / time, each call on its own copy of the
+  weight (4x the L2 in all) inside one CUDA graph; and the fused kernels against the unfused ones
+  they replace (add + RMSNorm; q/k norm + RoPE twice + KV store), µs per layer.
 Timing: triton.testing.do_bench, median, L2 flushed between repetitions.
 
-Run: python -m benchmarks.phase7_kernels [--out PATH] [--commit SHA]
+Run: python -m benchmarks.phase7_kernels [--out DIR] [--commit SHA] [--levers-only]
 """
 
 import os
+import random
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +40,19 @@ from phase7_optim.kernels import (
     varlen_paged_attention_ref,
 )
 from phase7_optim.kernels.flash_prefill import PrefillConfig, default_prefill_config
-from phase7_optim.kernels.paged_decode import DecodeConfig
+from phase7_optim.kernels.fused import (
+    fused_add_rms_norm,
+    qk_norm_rope,
+    qk_norm_rope_store,
+    rms_norm,
+)
+from phase7_optim.kernels.gemv import GemvConfig, choose_split_k, counters_for, gemv
+from phase7_optim.kernels.kv_store import store_kvcache
+from phase7_optim.kernels.paged_decode import (
+    BASELINE_DECODE_CONFIG,
+    TUNED_DECODE_CONFIG,
+    DecodeConfig,
+)
 
 DEVICE = "cuda"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -256,9 +277,190 @@ def summarize(results):
     }
 
 
+# ---- decode attention at W's mix ---------------------------------------------------------------
+
+W_MIX_BATCHES = [1, 8, 32, 64, 128, 256]
+W_MIX_CONTEXTS = (100, 2000)  # W's prompts are 100-1,024 tokens, its outputs 100-1,024
+ENGINE_MAX_CONTEXT = 40960  # Qwen3's max_position_embeddings: the graphs' block-table width
+W_MIX_BLOCK_SIZE = 16  # the engine's default, and benchmarks/phase7_optim.py's
+W_MIX_LAYERS = 8  # separate caches per graph (layers), so batch 1 is not served from L2
+W_MIX_SWEEP = [
+    DecodeConfig(block_n, num_warps, num_stages)
+    for block_n, num_warps, num_stages in (
+        (32, 2, 3), (32, 4, 3), (64, 2, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3),
+        (128, 8, 3),
+    )
+]  # fmt: skip
+W_MIX_SPLITS = [1, 2, 4, 8]
+
+
+def graph_ms_per_call(calls) -> float:
+    """Median GPU time of one of `calls` (each on its own memory), all replayed in one graph."""
+    return graph_ms(lambda: [call() for call in calls]) / len(calls)
+
+
+def bench_decode_w_mix(cache, batch, config, num_splits=None) -> dict:
+    rng = random.Random(batch)
+    contexts = [rng.randint(*W_MIX_CONTEXTS) for _ in range(batch)]
+    bs, width = W_MIX_BLOCK_SIZE, ENGINE_MAX_CONTEXT // W_MIX_BLOCK_SIZE
+    k, v = (c.view(-1, bs, NUM_KV_HEADS, HEAD_DIM) for c in (cache.k, cache.v))
+    per_seq = [triton.cdiv(n, bs) for n in contexts]
+    layers = max(1, min(W_MIX_LAYERS, k.shape[0] // sum(per_seq)))
+    perm = torch.randperm(k.shape[0], device=DEVICE).int()
+    tables, used = [], 0
+    for _ in range(layers):
+        table = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
+        for row, n in enumerate(per_seq):
+            table[row, :n] = perm[used : used + n]
+            used += n
+        tables.append(table)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    seq_lens = torch.tensor(contexts, device=DEVICE, dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    ms = graph_ms_per_call(
+        [lambda t=t: paged_decode_attention(q, k, v, seq_lens, t, scale, num_splits, config)
+         for t in tables]
+    )  # fmt: skip
+    kv_bytes = 2 * sum(contexts) * NUM_KV_HEADS * HEAD_DIM * ELEMENT_BYTES
+    return {"us": ms * 1e3, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "layers": layers}
+
+
+def run_decode_w_mix(cache, results, copy_gbps, save, sweep: bool = True) -> None:
+    rows = results.setdefault("decode_w_mix", [])
+    for batch in W_MIX_BATCHES:
+        row = {"batch": batch}
+        for name, config in (("baseline", BASELINE_DECODE_CONFIG), ("tuned", TUNED_DECODE_CONFIG)):
+            r = bench_decode_w_mix(cache, batch, config)
+            row.update({f"{name}_us": r["us"], f"{name}_pct_of_copy": 100 * r["GBps"] / copy_gbps})
+        row["sweep"] = [
+            {**vars(c), **try_bench(lambda c=c, b=batch: bench_decode_w_mix(cache, b, c))}
+            for c in (W_MIX_SWEEP if sweep else [])
+        ]
+        row["splits"] = [
+            {"num_splits": n, **bench_decode_w_mix(cache, batch, TUNED_DECODE_CONFIG, n)}
+            for n in (W_MIX_SPLITS if sweep else [])
+        ]
+        for r in row["sweep"] + row["splits"]:
+            if "GBps" in r:
+                r["pct_of_copy"] = 100 * r["GBps"] / copy_gbps
+        rows.append(row)
+        print({k: v for k, v in row.items() if k not in ("sweep", "splits")}, flush=True)
+        save()
+
+
+# ---- the GEMV and the fused kernels ------------------------------------------------------------
+
+QWEN3_LINEARS = {  # name: (out_features N, in_features K), Qwen3-0.6B at one rank
+    "qkv_proj": (4096, 1024),
+    "o_proj": (1024, 2048),
+    "gate_up_proj": (6144, 1024),
+    "down_proj": (1024, 3072),
+    "lm_head": (151936, 1024),
+}
+GEMV_BATCHES = [1, 4, 8, 16]
+L2_BYTES = 60 * 2**20  # the H200's, as torch reports it
+GEMV_SWEEP = [  # (block_n, block_k, num_warps, num_stages); the split from 1, 2, 4 programs/SM
+    (16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4),
+    (64, 256, 8, 3), (16, 512, 4, 3), (32, 256, 8, 4),
+]  # fmt: skip
+
+
+def bench_linear(n, k, batch, config=None, cublas=False) -> dict:
+    weight_bytes = n * k * ELEMENT_BYTES
+    copies = max(2, triton.cdiv(4 * L2_BYTES, weight_bytes))
+    weights = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) for _ in range(copies)]
+    x = torch.randn(batch, k, device=DEVICE, dtype=DTYPE)
+    counters = counters_for(n, x.device)
+    if cublas:
+        calls = [lambda w=w: F.linear(x, w) for w in weights]
+    else:
+        calls = [lambda w=w: gemv(x, w, counters, config) for w in weights]
+    ms = graph_ms_per_call(calls)
+    return {"us": ms * 1e3, "GBps": weight_bytes / (ms * 1e-3) / 1e9}
+
+
+def run_gemv(results, copy_gbps, save, sweeps: bool = True) -> None:
+    num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    rows = results.setdefault("gemv", [])
+    for name, (n, k) in QWEN3_LINEARS.items():
+        x = torch.randn(3, k, device=DEVICE, dtype=DTYPE)
+        w = torch.randn(n, k, device=DEVICE, dtype=DTYPE)
+        error = (gemv(x, w, counters_for(n, x.device)).float() - x.float() @ w.float().T).abs()
+        row = {"layer": name, "N": n, "K": k, "max_abs_error_vs_fp32": error.max().item()}
+        for batch in GEMV_BATCHES:
+            for kind, kwargs in (("cublas", {"cublas": True}), ("gemv", {})):
+                r = bench_linear(n, k, batch, **kwargs)
+                row[f"{kind}_b{batch}_us"] = r["us"]
+                row[f"{kind}_b{batch}_pct_of_copy"] = 100 * r["GBps"] / copy_gbps
+        sweep = row.setdefault("sweep_b1", [])
+        for block_n, block_k, warps, stages in GEMV_SWEEP if sweeps else []:
+            for per_sm in (1, 2, 4):
+                split = choose_split_k(n, k, block_n, block_k, per_sm * num_sms)
+                config = GemvConfig(block_n, block_k, split, warps, stages)
+                r = try_bench(lambda c=config, n=n, k=k: bench_linear(n, k, 1, c))
+                sweep.append({**vars(config), **r})
+                if "GBps" in r:
+                    sweep[-1]["pct_of_copy"] = 100 * r["GBps"] / copy_gbps
+        timed = [r for r in sweep if "GBps" in r]
+        if timed:
+            row["best_b1"] = max(timed, key=lambda r: r["GBps"])
+        rows.append(row)
+        print({key: v for key, v in row.items() if key != "sweep_b1"}, flush=True)
+        save()
+
+
+def run_fused(results, save) -> None:
+    """µs per layer, unfused kernels vs the fused one, at decode batch 1 and 256."""
+    rows = results.setdefault("fused", [])
+    for batch in (1, 256):
+        rows.append({"batch": batch, **bench_fused(batch)})
+        print(rows[-1], flush=True)
+    save()
+
+
+def bench_fused(batch: int) -> dict:
+    hidden, eps, block_size = 1024, 1e-6, 16
+    x, r = (torch.randn(batch, hidden, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    w = torch.ones(hidden, device=DEVICE, dtype=DTYPE)
+    head_w = torch.ones(HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    widths = [NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM]
+    qkv = torch.randn(batch, sum(widths), device=DEVICE, dtype=DTYPE)
+    q, k, v = (t.view(batch, -1, HEAD_DIM) for t in qkv.split(widths, -1))
+    cos = torch.rand(ENGINE_MAX_CONTEXT, HEAD_DIM // 2, device=DEVICE)
+    sin = torch.rand_like(cos)
+    positions = torch.randint(0, 2000, (batch,), device=DEVICE)
+    k_cache = torch.zeros(1024, block_size, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(1024 * block_size, device=DEVICE)[:batch].int()
+
+    def rope_store_unfused():
+        q_rot = qk_norm_rope(q, head_w, cos, sin, positions, eps)
+        k_rot = qk_norm_rope(k, head_w, cos, sin, positions, eps)
+        store_kvcache(k_rot, v, k_cache, v_cache, slots)
+        return q_rot
+
+    calls = {
+        "add_rms_norm_unfused": lambda: rms_norm(x + r, w, eps),
+        "add_rms_norm_fused": lambda: fused_add_rms_norm(x, r, w, eps),
+        "rope_store_unfused": rope_store_unfused,
+        "rope_store_fused": lambda: qk_norm_rope_store(
+            q, k, v, head_w, head_w, cos, sin, positions, eps, k_cache, v_cache, slots
+        ),
+    }
+    return {f"{name}_us": graph_ms_per_call([fn] * 28) * 1e3 for name, fn in calls.items()}
+
+
 def main():
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--commit", default=os.environ.get("MINI_VLLM_COMMIT"))
+    parser.add_argument(
+        "--no-sweeps", action="store_true", help="defaults and baselines only, no config sweeps"
+    )
+    parser.add_argument(
+        "--levers-only",
+        action="store_true",
+        help="only decode at W's mix, the GEMV and the fused kernels (a few minutes)",
+    )
     args = parse_args(parser)
     if not torch.cuda.is_available():
         parser.exit(0, "phase7_kernels needs a CUDA GPU; nothing to measure here\n")
@@ -295,6 +497,12 @@ def main():
             1024, bench_prefill_ours(cache, 1024, 16, PREFILL_SWEEP[0])
         )
         save()
+        return
+    sweeps = not args.no_sweeps
+    run_decode_w_mix(cache, results, results["copy_bandwidth_GBps"], save, sweeps)
+    run_gemv(results, results["copy_bandwidth_GBps"], save, sweeps)
+    run_fused(results, save)
+    if args.levers_only:
         return
     run_decode(cache, results, results["copy_bandwidth_GBps"], save)
     run_prefill(cache, results, save)

@@ -10,16 +10,21 @@ weights' values) with the real Qwen3 tokenizer files beside it:
 2. the 64-request slice of W with outputs capped at 256 (benchmarks/phase6_qwen3_gpu.py):
    phase 6, transformers' static `generate`, and phase 7, all in this run;
 3. single-stream decode, a 512-token prompt and 256 new tokens, greedy: eager vs CUDA graphs,
-   ms per output token after the first (wall time minus time to first token, over 255).
+   ms per output token after the first (wall time minus time to first token, over 255);
+4. with --ablation, the `ablation` table: per lever (`LEVERS`: CUDA graphs and the kernel levers
+   of config.KernelConfig), the engine with that one lever off, W's tok/s and single-stream
+   ms/token, and what one decode step launches (torch.profiler, at batch 1 and 64): kernels per
+   step and GPU µs per kernel kind. The all-on row is the same engine as 1. and 3.
 Targets: W >= 20,000 output tok/s, single stream <= 1.0 ms/token; where short, the JSON says by
 how much and what bounds it.
 
-Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--out FILE]
+Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--ablation] [--out FILE]
 `--out` defaults to a scratch file; pass benchmarks/results/phase7_optim.json to publish. The PNG
-is written beside the JSON.
+is written beside the JSON. `--ablation-only` runs 4. alone (with --quick, on W's first 64).
 """
 
 import argparse
+import re
 import statistics
 import tempfile
 import time
@@ -46,6 +51,21 @@ MAX_NUM_SEQS = 256  # all of W at once: decode steps as large as the workload al
 MAX_NUM_BATCHED_TOKENS = 16384
 SINGLE_PROMPT, SINGLE_NEW = 512, 256
 SLICE = 64
+KERNEL_LEVERS_OFF = dict(
+    fuse_add_rms_norm=False, fuse_rope_kv_store=False, tune_decode_attention=False,
+    gemv_max_batch=0,
+)  # fmt: skip
+LEVERS = {  # ablation row: the engine settings of that row (one lever off, or all)
+    "all levers": {},
+    "no CUDA graphs": {"enforce_eager": True},
+    "no fused add + RMSNorm": {"fuse_add_rms_norm": False},
+    "no fused q/k norm + RoPE + KV store": {"fuse_rope_kv_store": False},
+    "untuned decode attention": {"tune_decode_attention": False},
+    "no GEMV": {"gemv_max_batch": 0},
+    "no kernel levers": KERNEL_LEVERS_OFF,
+}
+PROFILE_BATCHES = (1, 64)
+PROFILE_STEPS = 4
 
 
 def kv_bytes_per_token(c: dict) -> int:
@@ -154,7 +174,7 @@ def summarize(steps: list[dict]) -> dict:
     }
 
 
-def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
+def single_stream(checkpoint: Path, enforce_eager: bool, profile: bool = False, **levers) -> dict:
     llm = phase7_optim.LLM(
         checkpoint,
         dtype="bfloat16",
@@ -162,6 +182,7 @@ def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
         max_num_batched_tokens=1024,
         num_kv_blocks=64,
         enforce_eager=enforce_eager,
+        **levers,
     )
     prompt = torch.randint(0, 10000, (SINGLE_PROMPT,), generator=torch.Generator().manual_seed(0))
     prompt = prompt.tolist()
@@ -178,7 +199,98 @@ def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
     ttft = statistics.median(timed(1) for _ in range(5))
     total = statistics.median(timed(SINGLE_NEW) for _ in range(3))
     ms = (total - ttft) / (SINGLE_NEW - 1) * 1e3
-    return {"ttft_ms": ttft * 1e3, "total_s": total, "ms_per_token": ms}
+    result = {"ttft_ms": ttft * 1e3, "total_s": total, "ms_per_token": ms}
+    if profile:
+        result["decode_step_b1"] = profile_decode_step(llm, 1)
+    return result
+
+
+def profile_decode_step(llm: phase7_optim.LLM, batch: int) -> dict:
+    """What one decode step of `batch` sequences (SINGLE_PROMPT-token contexts) launches on the
+    GPU, from torch.profiler over PROFILE_STEPS steps: kernels per step and GPU µs per kind."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = phase7_optim.SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, 10000, (SINGLE_PROMPT,), generator=g).tolist(), params)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
+    engine.step()  # a decode step outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    kinds: dict[str, dict] = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        kind = kernel_kind(event.name)
+        entry = kinds.setdefault(kind, {"launches": 0, "gpu_us": 0.0})
+        entry["launches"] += 1
+        entry["gpu_us"] += event.time_range.elapsed_us()
+    per_step = {
+        k: {"launches": v["launches"] / PROFILE_STEPS, "gpu_us": v["gpu_us"] / PROFILE_STEPS}
+        for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["gpu_us"])
+    }
+    return {
+        "batch": batch,
+        "launches_per_step": sum(v["launches"] for v in per_step.values()),
+        "kernel_gpu_us_per_step": sum(v["gpu_us"] for v in per_step.values()),
+        "per_kind": per_step,
+    }
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's name without template arguments and launch shapes: cuBLAS's many GEMM kernels
+    are one kind ("cublas gemm"), each Triton kernel its own."""
+    if name.startswith("_") and name.endswith("_kernel"):  # ours (Triton): the name as it is
+        return name
+    if re.search(r"gemm|gemv|nvjet|cutlass|sm90_xmma", name, re.IGNORECASE):
+        return "cublas gemm/gemv"
+    if name.startswith("Memcpy") or name.startswith("Memset"):
+        return name.split(" (")[0]
+    name = name.removeprefix("void ")
+    if "at::native" in name:  # torch's element-wise kernels: the functor says which op
+        return name.split("(")[0][:100]
+    return re.sub(r"<.*", "", name).split("(")[0].strip()[:80]
+
+
+def ablation(checkpoint: Path, workload: list[Request], levers: dict[str, dict], save=None) -> dict:
+    """Each row: the engine with these settings; W tok/s, single-stream ms/token, and what a
+    decode step launches at batch 1 (the single-stream engine) and 64 (the W engine). `save`,
+    if given, is called with the rows so far after each one."""
+    rows = {}
+    for name, settings in levers.items():
+        row: dict = {"settings": settings}
+        eager = settings.get("enforce_eager", False)
+        kernel_settings = {k: v for k, v in settings.items() if k != "enforce_eager"}
+        single = single_stream(checkpoint, eager, profile=True, **kernel_settings)
+        row["single_stream_ms_per_token"] = single["ms_per_token"]
+        row["decode_step_b1"] = single["decode_step_b1"]
+        torch.cuda.empty_cache()
+        llm = make_llm(checkpoint, workload, **settings)
+        row["w_tok_s"] = throughput(llm, workload)["tok_s"]
+        row["decode_step_b64"] = profile_decode_step(llm, 64)
+        del llm
+        torch.cuda.empty_cache()
+        rows[name] = row
+        print(
+            f"{name:38} W {row['w_tok_s']:8.0f} tok/s  single {single['ms_per_token']:.3f} ms/tok"
+            f"  launches/step b1 {row['decode_step_b1']['launches_per_step']:.0f}"
+            f" b64 {row['decode_step_b64']['launches_per_step']:.0f}",
+            flush=True,
+        )
+        if save is not None:
+            save(rows)
+    return rows
 
 
 def verdict(w: dict, profile: dict, single: dict) -> dict:
@@ -212,7 +324,8 @@ def shortfall_notes(result: dict) -> list[str]:
             f"{every['total_wall_s']:.2f} s): the {decode['steps']} decode steps took "
             f"{decode['total_gpu_s']:.2f} s on the GPU against {decode['floor_s']:.2f} s of bytes "
             f"(weights + KV at the copy bandwidth); the difference is a fixed cost per step of "
-            f"some 400 launches inside each graph (14 kernels a layer), paid whatever the batch. "
+            f"some 330 launches inside each graph (about 11 kernels a layer), and decode "
+            f"attention below the copy bandwidth at W's shorter contexts. "
             f"The host adds {every['total_host_s']:.2f} s ({v['w_host_share']:.0%}) that nothing "
             f"overlaps yet; {eager['steps'] if eager else 0} prefill steps took "
             f"{eager['total_gpu_s'] if eager else 0:.2f} s."
@@ -223,10 +336,11 @@ def shortfall_notes(result: dict) -> list[str]:
         notes.append(
             f"Single stream: {result['single_stream']['graphs']['ms_per_token']:.2f} ms/token, "
             f"{v['single_stream_shortfall_ms']:.2f} ms over {TARGET_MS_PER_TOKEN}. A batch-1 "
-            f"graph replay takes {gpu:.2f} ms of GPU time in W's tail: 112 cuBLAS GEMVs at "
-            f"6-8 us each plus ~280 small kernels; the rest is the host's step. Getting under "
-            f"1 ms needs fewer kernels (q/k norm + RoPE + KV store in one, residual add + norm) "
-            f"and the next step's host work overlapped with this one's GPU work."
+            f"graph replay takes {gpu:.2f} ms of GPU time in W's tail: 112 linear layers at "
+            f"~5-7 us each (a kernel of a few MB costs ~5 us however it is written), the LM "
+            f"head's 80 us, and ~190 small kernels; the rest is the host's step. Getting under "
+            f"1 ms needs fewer, fused linear kernels (o_proj into attention, gate/up + SiLU + "
+            f"down in one) and the next step's host work overlapped with this one's GPU work."
         )
     return notes
 
@@ -290,6 +404,15 @@ def main():
         default=Path(tempfile.gettempdir()) / "phase7.json",
         help="JSON path (a scratch file by default); the PNG goes beside it",
     )
+    parser.add_argument(
+        "--ablation", action="store_true", help="add the ablation table (each lever off in turn)"
+    )
+    parser.add_argument(
+        "--ablation-only", action="store_true", help="only the ablation table (a JSON, no PNG)"
+    )
+    parser.add_argument(
+        "--levers", default=",".join(LEVERS), help="comma-separated ablation rows (LEVERS' keys)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -300,6 +423,17 @@ def main():
     capped = [Request(r.prompt_ids, min(r.max_tokens, MAX_OUTPUT)) for r in full_w[:SLICE]]
     kv_per_token = kv_bytes_per_token(QWEN3_0_6B)
     result = {}
+    levers = {name: LEVERS[name] for name in args.levers.split(",")}
+    if args.ablation_only:
+        result["workload"] = {"w": f"{len(w)} requests of workload W", "quick": args.quick}
+
+        def save(rows):
+            write_result("phase7_optim_ablation", {**result, "ablation": rows}, args.out)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
+            ablation(checkpoint, w, levers, save)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
         llm = make_llm(checkpoint, w)
@@ -315,6 +449,8 @@ def main():
             "eager": single_stream(checkpoint, enforce_eager=True),
             "graphs": single_stream(checkpoint, enforce_eager=False),
         }
+        if args.ablation:
+            result["ablation"] = ablation(checkpoint, w, levers)
         if not args.quick:
             result["phase6_slice"] = run_phase6(checkpoint, capped)
             torch.cuda.empty_cache()

@@ -27,7 +27,7 @@ from phase7_optim.kernels import (  # noqa: E402
     varlen_paged_attention_ref,
 )
 from phase7_optim.kernels.flash_prefill import PrefillConfig
-from phase7_optim.kernels.paged_decode import MAX_SPLITS, choose_num_splits
+from phase7_optim.kernels.paged_decode import MAX_SPLITS, DecodeConfig, choose_num_splits
 
 # Kernel vs fp32 reference. fp32: the interpreter's dot is exact fp32 (GPU fp32 would be tf32,
 # and is not tested there); fp16/bf16: P is rounded to the input dtype before P @ V.
@@ -111,10 +111,12 @@ def check_prefill(batch: PagedBatch, config: PrefillConfig | None = None) -> Non
     assert_allclose(out, varlen_paged_attention_ref(*args, b.scale))
 
 
-def check_decode(batch: PagedBatch, num_splits: int | None) -> None:
+def check_decode(
+    batch: PagedBatch, num_splits: int | None, config: DecodeConfig | None = None
+) -> None:
     b = batch
     args = (b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, b.scale)
-    out = paged_decode_attention(*args, num_splits=num_splits)
+    out = paged_decode_attention(*args, num_splits=num_splits, config=config)
     assert_allclose(out, paged_decode_attention_ref(*args))
 
 
@@ -237,7 +239,11 @@ def test_chunked_prefill_through_the_cache_equals_one_shot_prefill():
 def test_paged_decode_split_k_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
     context_lens = [0, 36, 99, 150]  # seq_lens 1, 37, 100, 151
     batch = make_paged_batch([1] * 4, context_lens, num_heads, num_kv_heads, 32, 16, dtype, CPU)
-    check_decode(batch, num_splits)
+    check_decode(batch, num_splits)  # one split (None here, and 1) writes the output itself
+    check_decode(batch, num_splits, MERGING)  # every split count through the merge kernel
+
+
+MERGING = DecodeConfig(block_n=32, num_warps=4, num_stages=1, direct_single_split=False)
 
 
 def test_choose_num_splits_fills_the_gpu_without_tiny_splits():
