@@ -37,7 +37,8 @@ FlashAttention kernel when any sequence brings more than one new token (prefill,
 the paged decode kernel when every sequence brings exactly one (decode-only steps, the ones CUDA
 graphs replay); elsewhere `TorchAttention`, the readable path above. Like cache blocking in a
 matrix multiply: tiles that fit on chip are reused instead of streaming intermediates through
-memory.
+memory. With `fuse_rope_kv_store` (config.py) the q/k norm, RoPE and the store of k and v are one
+kernel before the backend attends (`qk_norm_rope_store`, kernels/fused.py): one launch, not three.
 
 Conventions the kernels take as they are (no adapter in between): every integer tensor of a
 `ForwardBatch` is `METADATA_DTYPE` (int32); a padded row, used only to fill a CUDA graph's fixed
@@ -54,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import SINGLE_RANK, TensorParallel
 from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
@@ -188,10 +190,16 @@ def context_attention(
 class TorchAttention:
     """The readable path (CPU, and the oracle on a GPU): phase 6's store and context_attention."""
 
-    def __call__(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+    def store(self, k, v, k_cache, v_cache, batch: ForwardBatch) -> None:
         k_cache.flatten(0, 1)[batch.slot_mapping] = k  # (num_blocks * block_size, H_kv, D) view
         v_cache.flatten(0, 1)[batch.slot_mapping] = v
+
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         return context_attention(q, k_cache, v_cache, batch)
+
+    def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=DEFAULT_KERNELS) -> torch.Tensor:
+        self.store(k, v, k_cache, v_cache, batch)
+        return self.attend(q, k_cache, v_cache, batch, kernels)
 
 
 class TritonAttention:
@@ -204,17 +212,24 @@ class TritonAttention:
 
         self.kernels = kernels
 
-    def __call__(self, q, k, v, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+    def store(self, k, v, k_cache, v_cache, batch: ForwardBatch) -> None:
         self.kernels.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         scale = q.shape[-1] ** -0.5
         if batch.max_query_len == 1:  # decode-only step: one query per sequence
+            config = self.kernels.default_decode_config(q.device, kernels.tune_decode_attention)
             return self.kernels.paged_decode_attention(
-                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale
+                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, config=config
             )
         return self.kernels.flash_attn_varlen_paged(
             q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
             batch.max_query_len, scale,
         )  # fmt: skip
+
+    def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=DEFAULT_KERNELS) -> torch.Tensor:
+        self.store(k, v, k_cache, v_cache, batch)
+        return self.attend(q, k_cache, v_cache, batch, kernels)
 
 
 AttentionBackend = TorchAttention | TritonAttention
@@ -226,16 +241,25 @@ def select_attention_backend(device: torch.device) -> AttentionBackend:
 
 
 def norm_and_rotate(
-    x: torch.Tensor, norm: nn.Module, rotary: RotaryEmbedding, positions: torch.Tensor
+    x: torch.Tensor,
+    norm: nn.Module,
+    rotary: RotaryEmbedding,
+    positions: torch.Tensor,
+    kernels: KernelConfig,
 ) -> torch.Tensor:
     """Per-head RMSNorm (nn.Identity for Llama), then RoPE. On CUDA one fused kernel does both
     (kernels/fused.py) instead of some fifteen small ones."""
-    if x.is_cuda:
+    if kernels.use_triton(x):
         from .kernels.fused import qk_norm_rope  # here: CPU-only installs may lack Triton
 
-        weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, 0.0)
+        weight, eps = norm_gain(norm)
         return qk_norm_rope(x, weight, rotary.cos, rotary.sin, positions, eps)
     return rotary(norm(x), positions)
+
+
+def norm_gain(norm: nn.Module) -> tuple[torch.Tensor | None, float]:
+    """A q/k norm's (weight, eps) for the kernels; (None, 0.0) for Llama's nn.Identity."""
+    return (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, 0.0)
 
 
 class Attention(nn.Module):
@@ -250,18 +274,22 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
         tp: TensorParallel = SINGLE_RANK,
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
         # Tensor parallelism (linear.py): this rank's heads only; o_proj all-reduces the heads.
-        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, tp)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, tp)
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, head_dim, num_heads, num_kv_heads, tp, kernels
+        )
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, tp, kernels)
+        self.kernels = kernels
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, kernels) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, kernels) if qk_norm else nn.Identity()
         self.rotary = rotary
         self.layer_idx = layer_idx  # which of the cache's layers this module reads and writes
 
@@ -277,8 +305,23 @@ class Attention(nn.Module):
         q = q.view(N, self.num_heads, self.head_dim)
         k = k.view(N, self.num_kv_heads, self.head_dim)
         v = v.view(N, self.num_kv_heads, self.head_dim)
-        q = norm_and_rotate(q, self.q_norm, self.rotary, positions)  # norm per head (Qwen3)
-        k = norm_and_rotate(k, self.k_norm, self.rotary, positions)
         k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
-        out = kv_cache.attention_backend(q, k, v, k_cache, v_cache, batch)
+        backend = kv_cache.attention_backend
+        if self.kernels.fuse_rope_kv_store and self.kernels.use_triton(x):
+            q = self.norm_rotate_and_store(q, k, v, positions, k_cache, v_cache, batch)
+        else:
+            q = norm_and_rotate(q, self.q_norm, self.rotary, positions, self.kernels)  # Qwen3
+            k = norm_and_rotate(k, self.k_norm, self.rotary, positions, self.kernels)
+            backend.store(k, v, k_cache, v_cache, batch)
+        out = backend.attend(q, k_cache, v_cache, batch, self.kernels)
         return self.o_proj(out.reshape(N, -1))
+
+    def norm_rotate_and_store(self, q, k, v, positions, k_cache, v_cache, batch) -> torch.Tensor:
+        """norm_and_rotate of q and k, and the store of k and v, in one kernel -> q."""
+        from .kernels.fused import qk_norm_rope_store  # here: CPU-only installs lack Triton
+
+        (q_weight, eps), (k_weight, _) = norm_gain(self.q_norm), norm_gain(self.k_norm)
+        return qk_norm_rope_store(
+            q, k, v, q_weight, k_weight, self.rotary.cos, self.rotary.sin, positions, eps,
+            k_cache, v_cache, batch.slot_mapping,
+        )  # fmt: skip

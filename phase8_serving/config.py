@@ -11,11 +11,16 @@ not known until the model is on it: `num_kv_blocks` left unset is sized at start
 `gpu_memory_utilization` on CUDA and from `kv_cache_memory_bytes` on CPU (kv_cache_config.py:
 the result is a `KVCacheConfig`, never written back here), and `max_num_seqs` and
 `max_num_batched_tokens` left unset take the device's defaults (`for_device`: vLLM's on CUDA).
+Each kernel-level speed-up of the CUDA path can be switched off on its own (`KernelConfig`, read
+from the engine's fields of the same names), so a benchmark can measure what each one is worth.
 """
 
 import enum
 import math
+import os
 from dataclasses import dataclass, fields, replace
+
+import torch
 
 MAX_KV_SLOTS = 2**31 - 1  # slot ids travel to the kernels as int32
 # Tensor parallelism: "auto" reads the checkpoint's safetensors, "dummy" (vLLM's name) random
@@ -44,6 +49,48 @@ class PreemptionMode(enum.Enum):
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels the model's CUDA path runs. The torch path (CPU) is the definition; every
+    lever here changes how many kernels a step launches and how fast they are, never the math
+    (up to rounding), and the model is built with one (model.py)."""
+
+    fuse_add_rms_norm: bool = True  # residual add + RMSNorm in one kernel (kernels/fused.py)
+    fuse_rope_kv_store: bool = True  # q/k norm + RoPE + KV-cache store in one kernel
+    tune_decode_attention: bool = True  # decode attention's W-tuned launch (kernels/paged_decode)
+    gemv_max_batch: int = 8  # linears of at most this many rows run the GEMV kernel; 0: never
+    # Run the Triton kernels on CPU tensors as well, through Triton's interpreter: slow, for
+    # stepping through the kernels and for the tests that count a step's launches.
+    interpret_on_cpu: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.gemv_max_batch, bool) or not isinstance(self.gemv_max_batch, int):
+            raise TypeError(f"gemv_max_batch must be an int, got {self.gemv_max_batch!r}")
+        if not 0 <= self.gemv_max_batch <= MAX_GEMV_BATCH:
+            raise ValueError(
+                f"gemv_max_batch must be in 0..{MAX_GEMV_BATCH} (the GEMV kernel's row tile), "
+                f"got {self.gemv_max_batch}"
+            )
+        if self.interpret_on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "interpret_on_cpu needs TRITON_INTERPRET=1 in the environment before triton is "
+                "imported (tests/conftest.py sets it)"
+            )
+
+    def use_triton(self, x: torch.Tensor) -> bool:
+        """Whether `x`'s device runs the Triton kernels (CUDA; CPU only when interpreted)."""
+        return x.is_cuda or (self.interpret_on_cpu and x.device.type == "cpu")
+
+    def use_gemv(self, x: torch.Tensor) -> bool:
+        """x (rows, in): few rows make a matmul a matrix-vector product, bound by the weight's
+        bytes, where the GEMV kernel beats cuBLAS (kernels/gemv.py)."""
+        return 0 < x.shape[0] <= self.gemv_max_batch and self.use_triton(x)
+
+
+MAX_GEMV_BATCH = 16  # rows the GEMV kernel's tile holds (tl.dot's smallest M on a GPU)
+DEFAULT_KERNELS = KernelConfig()  # every lever on: what a model built without one runs
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     # None: the device's default (`for_device`)
     max_num_seqs: int | None = None  # requests running at once
@@ -63,6 +110,18 @@ class EngineConfig:
     # budget (kv_cache_config.py).
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    # The CUDA path's kernel levers (KernelConfig says what each does); the defaults are fastest.
+    fuse_add_rms_norm: bool = True
+    fuse_rope_kv_store: bool = True
+    tune_decode_attention: bool = True
+    gemv_max_batch: int = 8
+
+    @property
+    def kernels(self) -> KernelConfig:
+        return KernelConfig(
+            self.fuse_add_rms_norm, self.fuse_rope_kv_store, self.tune_decode_attention,
+            self.gemv_max_batch,
+        )  # fmt: skip
 
     def for_device(self, device_type: str) -> "EngineConfig":
         """This config with the device's defaults where it leaves the batch sizes unset."""
@@ -82,7 +141,8 @@ class EngineConfig:
             if field.type is int or (field.type == OPTIONAL_INT and value is not None):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"EngineConfig.{field.name} must be an int, got {value!r}")
-                minimum = 0 if field.name == "num_cpu_kv_blocks" else 1  # no CPU pool is valid
+                # no CPU pool and no GEMV are valid
+                minimum = 0 if field.name in ("num_cpu_kv_blocks", "gemv_max_batch") else 1
                 if value < minimum:
                     raise ValueError(f"EngineConfig.{field.name} must be >= {minimum}, got {value}")
         modes = [m.value for m in PreemptionMode]
@@ -104,6 +164,7 @@ class EngineConfig:
                 f"ids), got {self.num_kv_blocks * self.block_size}"
             )
         check_gpu_memory_utilization(self.gpu_memory_utilization)
+        self.kernels  # noqa: B018 (KernelConfig checks its own ranges)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"EngineConfig.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"

@@ -4,12 +4,18 @@ Problem: deep stacks of transformations are hard to train and lose the input sig
 Idea: x + f(norm(x)). The residual stream carries the token's vector through the stack; each
 sub-block reads a normalized copy and adds its contribution. Names match Hugging Face keys
 (input_layernorm, self_attn, post_attention_layernorm, mlp).
+
+Phase 7: every add of a sub-block's output to the stream is followed by a norm, so the add moves
+into the norm (norm.py, vLLM's layout): a layer takes the previous sub-block's output and the
+stream separately and returns its MLP's output and the stream, and the next norm adds them. The
+same sums as `x + f(norm(x))`, in the same order; on CUDA one kernel each instead of two.
 """
 
 import torch
 from torch import nn
 
 from .attention import Attention, ForwardBatch
+from .config import KernelConfig
 from .distributed import TensorParallel
 from .kv_cache import KVCache
 from .mlp import MLP
@@ -18,9 +24,12 @@ from .rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int, tp: TensorParallel):
+    def __init__(
+        self, config, rotary: RotaryEmbedding, layer_idx: int, tp: TensorParallel,
+        kernels: KernelConfig,
+    ):  # fmt: skip
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(
             config.hidden_size,
             config.num_heads,
@@ -31,16 +40,25 @@ class DecoderLayer(nn.Module):
             config.qk_norm,
             config.rms_norm_eps,
             tp,
+            kernels,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp, kernels)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: KVCache,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (layer 0: the embeddings, with residual None) ->
+        (this layer's MLP output, the residual stream it is to be added to)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)  # residual += x; h = norm(residual)
+        h = self.self_attn(h, positions, batch, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual

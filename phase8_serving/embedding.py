@@ -18,11 +18,11 @@ Invariant: with `tp.size == 1` both are the plain lookup and matmul, no communic
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import TensorParallel, all_gather_last_dim, all_reduce
-from .linear import WeightShard, linear_weight
+from .linear import LinearKernel, WeightShard, linear_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,9 +57,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden (R, C) -> logits (R, vocab_size) on every rank; same row split as the embedding,
     so a tied head shares the embedding's shard."""
 
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel,
+        kernels: KernelConfig = DEFAULT_KERNELS,
+    ):  # fmt: skip
+        super().__init__(vocab_size, hidden_size, tp)
+        self.matmul = LinearKernel(kernels)  # at batch 1 the largest GEMV of the step
+
     def initial_weight(self, rows: int, hidden_size: int) -> nn.Parameter:
         return linear_weight((rows,), hidden_size)  # an nn.Linear's, as phase 0's head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # (R, V / size): this rank's ids
+        logits = self.matmul(hidden, self.weight)  # (R, V / size): this rank's ids
         return all_gather_last_dim(logits, self.tp)

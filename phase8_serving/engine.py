@@ -383,7 +383,7 @@ class LLM:
         self.workers = None
         if tp.size > 1:
             self.workers = start_workers(model_dir, dtype, torch.device(device), config)
-        loaded = load_model(model_dir, dtype, device, tp, config.load_format)
+        loaded = load_model(model_dir, dtype, device, tp, config.load_format, config.kernels)
         tokenizer = Tokenizer.from_dir(loaded.model_dir)
         self.engine = LLMEngine(loaded.model, tokenizer, config, trace)
         if self.workers is not None:

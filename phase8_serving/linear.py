@@ -16,6 +16,9 @@ A decoder layer pairs them: QKV (column) -> attention, head by head -> o_proj (r
 `QKVParallelLinear` stacks q, k and v, whose head counts differ. With fewer KV heads than ranks,
 each KV head is replicated on the ranks whose query heads use it (as vLLM does).
 
+Every layer's product runs through `LinearKernel`: cuBLAS, or below `gemv_max_batch` rows the
+bandwidth-bound GEMV kernel (kernels/gemv.py), on the same weight.
+
 Invariants:
 - with `tp.size == 1` each layer computes a plain `x @ W^T`: no process group, no communication;
 - `weight` has the checkpoint layout (out_features, in_features) of this rank's slice, and
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import TensorParallel, all_reduce
 
 
@@ -48,6 +52,24 @@ class WeightShard:
     def whole(cls, shape: torch.Size) -> "WeightShard":
         """A replicated tensor (a norm's gain): every rank holds all of it."""
         return cls(tuple(shape), 0, 0, shape[0])
+
+
+class LinearKernel:
+    """y = x @ W^T for one layer's weight: cuBLAS, or for a few rows on the Triton path the GEMV
+    kernel, which keeps its split-K counters here (one zeroed buffer per layer, kernels/gemv.py)."""
+
+    def __init__(self, kernels: KernelConfig):
+        self.kernels = kernels
+        self.counters: torch.Tensor | None = None  # made on the first GEMV, on x's device
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.kernels.use_gemv(x):
+            return F.linear(x, weight)
+        from .kernels.gemv import counters_for, gemv  # here: CPU-only installs may lack Triton
+
+        if self.counters is None:
+            self.counters = counters_for(weight.shape[0], x.device)
+        return gemv(x, weight, self.counters)
 
 
 def linear_weight(rows: tuple[int, ...], cols: int) -> nn.Parameter:
@@ -69,9 +91,11 @@ class ColumnParallelLinear(nn.Module):
         output_sizes: tuple[int, ...],
         tp: TensorParallel,
         local_sizes: tuple[int, ...] | None = None,  # None: each output split evenly
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         super().__init__()
         self.tp = tp
+        self.matmul = LinearKernel(kernels)
         self.input_size = input_size
         self.output_sizes = output_sizes  # one per checkpoint tensor stacked in this weight
         even = (
@@ -87,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
         return WeightShard(full_shape, 0, self.tp.rank * size, size, dest_start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # (N, in) -> (N, sum(local_sizes))
+        return self.matmul(x, self.weight)  # (N, in) -> (N, sum(local_sizes))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -108,13 +132,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_heads: int,
         num_kv_heads: int,
         tp: TensorParallel,
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         local_heads = tp.split(num_heads, "num_heads")
         local_kv_heads = kv_heads_per_rank(num_kv_heads, tp)
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
         # Sized by heads, not total / size: a replicated KV head is not an even split.
         local = (local_heads * head_dim, local_kv_heads * head_dim, local_kv_heads * head_dim)
-        super().__init__(hidden_size, (q, kv, kv), tp, local)
+        super().__init__(hidden_size, (q, kv, kv), tp, local, kernels)
         self.num_heads, self.num_kv_heads, self.head_dim = local_heads, local_kv_heads, head_dim
         self.first_kv_head = tp.rank * num_kv_heads // tp.size  # replicas share a head index
 
@@ -143,9 +168,16 @@ class RowParallelLinear(nn.Module):
     """y = x @ W^T with W's columns (input features) split across ranks: each rank multiplies
     its slice of x, and an all-reduce sums the partial products into the whole y on every rank."""
 
-    def __init__(self, input_size: int, output_size: int, tp: TensorParallel):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: TensorParallel,
+        kernels: KernelConfig = DEFAULT_KERNELS,
+    ):
         super().__init__()
         self.tp = tp
+        self.matmul = LinearKernel(kernels)
         self.input_size = input_size
         self.output_size = output_size
         self.weight = linear_weight((output_size,), tp.split(input_size, "input features"))
@@ -155,5 +187,5 @@ class RowParallelLinear(nn.Module):
         return WeightShard((self.output_size, self.input_size), 1, self.tp.rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (N, in / size) -> (N, out): this rank's partial sum
+        y = self.matmul(x, self.weight)  # (N, in / size) -> (N, out): this rank's partial sum
         return all_reduce(y, self.tp)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import LOAD_FORMATS
+from .config import DEFAULT_KERNELS, LOAD_FORMATS, KernelConfig
 from .distributed import SINGLE_RANK, TensorParallel
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear, WeightShard
@@ -90,6 +90,7 @@ def load_model(
     device: torch.device | str | None = "cpu",
     tp: TensorParallel = SINGLE_RANK,
     load_format: str = "auto",
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> LoadedModel:
     """Load a checkpoint for inference (eval mode, no gradients): rank `tp.rank`'s shard of it.
 
@@ -97,13 +98,14 @@ def load_model(
     2-core CPU, bf16 matmuls are not faster and round every activation, which would make
     comparisons against transformers' float32 logits loose for nothing.
     load_format "dummy": random weights of the checkpoint's config; its safetensors are not read.
+    kernels: which fused and small-batch kernels the model's CUDA path runs (config.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
     device = resolve_device(device)
     model_dir = resolve_model_dir(path_or_id)
     config = read_model_config(model_dir)
-    model = _build_empty(config, resolve_dtype(dtype, device), device, tp)
+    model = _build_empty(config, resolve_dtype(dtype, device), device, tp, kernels)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
@@ -224,12 +226,16 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def _build_empty(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel,
+    kernels: KernelConfig,
 ) -> Qwen3ForCausalLM:
     # Shapes only: no memory, no random init. (The first meta-device ops of a process import
     # torch's meta kernels once, ~1.5 s; a random init of a 0.6B model on CPU costs more.)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, tp)
+        model = Qwen3ForCausalLM(config, tp, kernels)
     model = model.to(dtype).to_empty(device=device)  # garbage until load_weights fills it
     model.tie_weights()
     tables = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)

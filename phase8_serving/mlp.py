@@ -15,20 +15,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import TensorParallel
 from .linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel,
+        kernels: KernelConfig = DEFAULT_KERNELS,
+    ):
         super().__init__()
         sizes = (intermediate_size, intermediate_size)  # shard ids 0: gate_proj, 1: up_proj
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, tp, kernels=kernels)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, kernels)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (N, 2 * I / size)
-        if x.is_cuda:  # one fused kernel instead of three (kernels/fused.py)
+        if self.kernels.use_triton(x):  # one fused kernel instead of three (kernels/fused.py)
             from .kernels.fused import silu_and_mul  # here: CPU-only installs may lack Triton
 
             return self.down_proj(silu_and_mul(gate_up))

@@ -17,7 +17,8 @@ Phase 7 (tensor parallelism): the model is built for one rank of a `TensorParall
 holds only that rank's slice of every matrix (linear.py, embedding.py); norms and RoPE tables are
 replicated. Matrices that read the same input are stacked in one matmul, as vLLM does:
 `qkv_proj` holds q_proj, k_proj and v_proj, `gate_up_proj` holds gate_proj and up_proj; the loader
-maps the checkpoint's names onto them (`STACKED_PARAMS`).
+maps the checkpoint's names onto them (`STACKED_PARAMS`). It is also built with a `KernelConfig`:
+which fused and small-batch kernels its CUDA path runs (config.py); the torch path ignores it.
 
 Invariants:
 - `state_dict()` keys are the checkpoint keys (plus `lm_head.weight` when tied), with the stacked
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from .attention import ForwardBatch
+from .config import DEFAULT_KERNELS, KernelConfig
 from .decoder import DecoderLayer
 from .distributed import SINGLE_RANK, TensorParallel
 from .embedding import ParallelLMHead, VocabParallelEmbedding
@@ -146,14 +148,14 @@ def _check_no_unsupported_features(hf: dict[str, Any]) -> None:
 class Qwen3Model(nn.Module):
     """The decoder stack (checkpoint keys `model.*`): token ids -> normalized hidden state."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, kernels: KernelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, i, tp) for i in range(config.num_layers)
+            DecoderLayer(config, rotary, i, tp, kernels) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(
         self,
@@ -163,20 +165,26 @@ class Qwen3Model(nn.Module):
         kv_cache: KVCache,
     ) -> torch.Tensor:
         """input_ids, positions: (N,) packed new tokens -> hidden states (N, C)."""
-        x = self.embed_tokens(input_ids)  # (N, C)
+        x, residual = self.embed_tokens(input_ids), None  # (N, C)
         for layer in self.layers:
-            x = layer(x, positions, batch, kv_cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, batch, kv_cache)
+        return self.norm(x, residual)[0]
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE_RANK):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel = SINGLE_RANK,
+        kernels: KernelConfig = DEFAULT_KERNELS,
+    ):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = Qwen3Model(config, tp)
+        self.kernels = kernels
+        self.model = Qwen3Model(config, tp, kernels)
         # Created even when tied, so the RNG stream (and thus random weights) match phase 0.
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, kernels)
         self.tie_weights()
 
     @property

@@ -5,21 +5,43 @@ Idea (Zhang & Sennrich, 2019): divide by the root-mean-square of the vector, mul
 per-channel gain. Unlike LayerNorm there is no mean subtraction and no bias. The reduction runs in
 float32 because bf16 squares overflow and lose precision long before the result does.
 
-Phase 7: on CUDA the same function runs as one fused Triton kernel (kernels/fused.py).
+Phase 7: on CUDA the same function runs as one fused Triton kernel (kernels/fused.py). Every norm
+of the decoder stack follows a residual add, so `forward(x, residual)` takes both, as vLLM's
+RMSNorm does: residual <- x + residual, then the norm of it, and returns both; with
+`fuse_add_rms_norm` that is one kernel instead of an add and a norm.
 """
 
 import torch
 from torch import nn
 
+from .config import DEFAULT_KERNELS, KernelConfig
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, kernels: KernelConfig = DEFAULT_KERNELS
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused kernel instead of seven (kernels/fused.py)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        if self.kernels.fuse_add_rms_norm and self.kernels.use_triton(x):
+            from .kernels.fused import fused_add_rms_norm  # here: CPU-only installs lack Triton
+
+            # the kernel adds into `residual` in place: callers use the returned stream only
+            return fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels.use_triton(x):  # one fused kernel instead of seven (kernels/fused.py)
             from .kernels.fused import rms_norm  # here: CPU-only installs may lack Triton
 
             return rms_norm(x, self.weight, self.eps)

@@ -118,7 +118,8 @@ def run_worker(tp: TensorParallel, spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.num_threads)
     device = rank_device(torch.device(spec.device_type), tp.rank)
     init_process_group(tp, device, spec.port)
-    loaded = load_model(spec.model_dir, spec.dtype, device, tp, spec.config.load_format)
+    config = spec.config
+    loaded = load_model(spec.model_dir, spec.dtype, device, tp, config.load_format, config.kernels)
     kv_cache_config = determine_kv_cache_config(loaded.model, spec.config)  # as rank 0 does
     # never prepares a step: no block manager
     runner = ModelRunner(loaded.model, spec.config, None, kv_cache_config)

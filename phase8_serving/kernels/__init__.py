@@ -4,6 +4,8 @@
 - `flash_attn_varlen_paged`: causal prefill of many packed sequences (FlashAttention-2), reading
   K/V through block tables, so a chunked or prefix-cached prefill sees its earlier context.
 - `paged_decode_attention`: one query token per sequence, split-K over long contexts.
+Both attention kernels run the same key loop (`attn_tiles`, online_softmax.py). Beside them:
+fused element-wise kernels (fused.py), the small-batch GEMV (gemv.py), the sampler (sampling.py).
 
 Cache layout (phase 5): per layer, K and V caches of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`; logical position p of a sequence lives at slot
@@ -13,7 +15,7 @@ compiles each kernel on its first call.
 
 from .flash_prefill import flash_attn_varlen_paged
 from .kv_store import PAD_SLOT_ID, store_kvcache
-from .paged_decode import paged_decode_attention
+from .paged_decode import default_decode_config, paged_decode_attention
 from .reference import (
     gather_kv,
     paged_decode_attention_ref,
@@ -23,6 +25,7 @@ from .reference import (
 
 __all__ = [
     "PAD_SLOT_ID",
+    "default_decode_config",
     "flash_attn_varlen_paged",
     "gather_kv",
     "paged_decode_attention",

@@ -10,13 +10,12 @@ matrix: many times the bytes of Q, K and V, and a Python loop over sequences.
 Idea (Dao 2023, FlashAttention-2; Triton's fused-attention tutorial): one program owns BLOCK_M
 query rows of one head of one sequence, keeps them in registers, and streams that sequence's keys
 and values in BLOCK_N tiles straight from the paged cache (a block-table lookup per key row),
-with the online softmax: a running row max m_i, row sum l_i and unnormalized output acc, all fp32,
-rescaled by exp2(m_old - m_new) whenever the max grows. The score matrix never leaves the chip;
-HBM sees Q once, the output once and K/V once per query tile.
+with the online softmax (`attn_tiles`, online_softmax.py, shared with the decode kernel). The
+score matrix never leaves the chip; HBM sees Q once, the output once and K/V once per query tile.
 
 The key range of a tile splits in two, as in the tutorial: keys every row of the tile may see
 (no mask), then the diagonal band where the causal mask `key_pos <= query_pos` applies. Both are
-the same `_attn_tiles` loop; the mask is a compile-time flag.
+the same `attn_tiles` loop; the mask is a compile-time flag.
 
 Invariants:
 - query row m of sequence i has position seq_len_i - q_len_i + m and sees keys 0 … that position;
@@ -32,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .online_softmax import attn_tiles
 
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the fast hardware path
 
@@ -59,59 +60,6 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
     # H200 sweep at 4k tokens (benchmarks/results/phase7_kernels.json): best of 7 for both block
     # sizes, 355 TFLOP/s with block size 256
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
-
-
-# exercise 7.1: the online softmax over key tiles
-@triton.jit
-def _attn_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    q_pos,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    kv_head,
-    lo,
-    hi,
-    qk_scale,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-):
-    offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)  # key positions
-        in_ctx = offs_n < hi
-        # paged gather: position -> (physical block, offset in block)
-        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        k_ptrs = k_cache_ptr + block[:, None] * stride_kcb + in_block[:, None] * stride_kcs
-        k = tl.load(
-            k_ptrs + kv_head * stride_kch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
-        )
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        if CAUSAL_MASK:
-            qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)  # rescales what was summed under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_cache_ptr + block[:, None] * stride_vcb + in_block[:, None] * stride_vcs
-        v = tl.load(
-            v_ptrs + kv_head * stride_vch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
-        )
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_ij
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -169,17 +117,17 @@ def _flash_attn_varlen_paged_kernel(
     # keys 0 … context_len + start_m * BLOCK_M - 1 are visible to every row of this tile
     unmasked_hi = (context_len + start_m * BLOCK_M) // BLOCK_N * BLOCK_N
     band_hi = tl.minimum(seq_len, context_len + (start_m + 1) * BLOCK_M)
-    acc, l_i, m_i = _attn_tiles(
+    acc, l_i, m_i = attn_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
         0, unmasked_hi, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-        BLOCK_SIZE, HEAD_DIM, BLOCK_N, CAUSAL_MASK=False,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, MASK=False,
     )  # fmt: skip
-    acc, l_i, m_i = _attn_tiles(
+    acc, l_i, m_i = attn_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
         unmasked_hi, band_hi, qk_scale,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-        BLOCK_SIZE, HEAD_DIM, BLOCK_N, CAUSAL_MASK=True,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, MASK=True,
     )  # fmt: skip
 
     out = acc / l_i[:, None]

@@ -1,4 +1,5 @@
-"""Fused element-wise kernels: RMSNorm, SiLU-and-multiply, per-head q/k RMSNorm + RoPE.
+"""Fused element-wise kernels: RMSNorm (alone, or after the residual add), SiLU-and-multiply,
+per-head q/k RMSNorm + RoPE (alone, or with the KV-cache store).
 
 Problem: in torch each line of norm.py, rope.py and mlp.py is its own kernel: an RMSNorm is seven
 (upcast, square, mean, add eps, rsqrt, multiply, downcast, gain), q/k norm + RoPE on both q and k
@@ -6,24 +7,32 @@ about thirty. A decode step of a 28-layer model launches some 1,800 kernels, eac
 microseconds however little it does: at small batch, and even inside a CUDA graph, they take longer
 than the matmuls. Measured on the H200 before these kernels: 4.4 ms per token single-stream
 (CUDA graphs), 6.7 ms per decode step at <= 64 sequences against 1.7 ms of bytes to read.
-Idea: one program per row (per token, or per token and head) loads it once, does all the
+Idea: one program per row (per token: all its heads at once for q/k) loads it once, does all the
 arithmetic in fp32 registers, and stores the result once: one kernel instead of seven or thirty,
-each byte read and written once. The torch modules stay the readable definition; these kernels
-are checked against them (tests/phase7/test_fused.py).
+each byte read and written once. Neighbours that read what the other wrote fuse further (vLLM's
+`fused_add_rms_norm`, and its rotary + cache-write kernels): the residual add with the norm after
+it, and q/k norm + RoPE with the store of k and v into the paged cache. The torch modules stay the
+readable definition; these kernels are checked against them (tests/phase7/test_fused.py).
 
 Invariants:
-- the last dimension of every input is contiguous; rows may be strided (q and k are views into
+- the last dimension of every input is contiguous; rows may be strided (q, k and v are views into
   the fused qkv projection's output);
 - `rms_norm`: y = x / sqrt(mean(x^2) + eps) * weight, in fp32, stored in x's dtype;
+- `fused_add_rms_norm`: residual <- x + residual (rounded to the dtype, as torch's add), then
+  y = rms_norm(residual): bit for bit the unfused add followed by `rms_norm`'s arithmetic;
 - `silu_and_mul`: x = [gate | up] along the last dim -> silu(gate) * up;
 - `qk_norm_rope`: each head vector is RMS-normalized with its gain (q's or k's; skipped when the
   model has no q/k norm), then rotated by its token's position with the half-split (HF) pairing
-  of rope.py: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+  of rope.py: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin);
+- `qk_norm_rope_store`: the same for q and k, and k (rotated) and v go to the paged cache at
+  `slot_mapping` (kv_store.py's contract: PAD_SLOT_ID writes nothing); returns q only.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from .kv_store import PAD_SLOT_ID
 
 SILU_BLOCK = 1024  # columns of SiLU-and-multiply per program
 
@@ -58,6 +67,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _fused_add_rms_norm_kernel(
+    x_ptr, residual_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # rounded like torch's `x + residual`
+    tl.store(residual_ptr + row * stride_r + offs, h, mask=mask)
+    h = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / n_cols + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * stride_o + offs, (h * rstd * w).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x (in place), then RMSNorm of it -> a new tensor; x, residual (N, C) alike."""
+    n_rows, n_cols = residual.shape
+    assert x.shape == residual.shape and x.dtype == residual.dtype and weight.shape == (n_cols,)
+    assert x.stride(-1) == residual.stride(-1) == 1
+    out = torch.empty_like(residual)
+    if n_rows:
+        _fused_add_rms_norm_kernel[(n_rows,)](
+            x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n_cols, eps,
+            BLOCK=triton.next_power_of_2(n_cols),
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -80,29 +125,44 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _norm_rope_heads(src, w_ptr, cos, sin, offs, rows, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Head vectors at `src` (pointers to each row's first element), `rows` masking the padded
+    ones: RMSNorm each with the gain at `w_ptr` (if NORM), then RoPE -> the two rotated halves,
+    (rows, HALF) each, in fp32."""
+    x1 = tl.load(src[:, None] + offs[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(src[:, None] + HALF + offs[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+        x1 = x1 * rstd[:, None] * tl.load(w_ptr + offs)[None, :].to(tl.float32)
+        x2 = x2 * rstd[:, None] * tl.load(w_ptr + HALF + offs)[None, :].to(tl.float32)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
+def _store_halves(dst, y1, y2, offs, rows, HALF: tl.constexpr):
+    ptrs = dst[:, None] + offs[None, :]
+    tl.store(ptrs, y1.to(dst.dtype.element_ty), mask=rows[:, None])
+    tl.store(ptrs + HALF, y2.to(dst.dtype.element_ty), mask=rows[:, None])
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, positions_ptr,
     stride_xt, stride_xh, stride_ot, stride_oh, stride_cos,
-    eps,
+    n_heads, eps,
+    BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, HALF)
-    src = x_ptr + token * stride_xt + head * stride_xh
-    x1 = tl.load(src + offs).to(tl.float32)
-    x2 = tl.load(src + HALF + offs).to(tl.float32)
-    if NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-        x1 = x1 * rstd * tl.load(w_ptr + offs).to(tl.float32)
-        x2 = x2 * rstd * tl.load(w_ptr + HALF + offs).to(tl.float32)
+    offs, heads = tl.arange(0, HALF), tl.arange(0, BLOCK_H)
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + position * stride_cos + offs)
     sin = tl.load(sin_ptr + position * stride_cos + offs)
-    dst = out_ptr + token * stride_ot + head * stride_oh
-    tl.store(dst + offs, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty))
-    tl.store(dst + HALF + offs, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty))
+    rows = heads < n_heads
+    src = x_ptr + token * stride_xt + heads * stride_xh
+    y1, y2 = _norm_rope_heads(src, w_ptr, cos, sin, offs, rows, eps, HALF, NORM)
+    _store_halves(out_ptr + token * stride_ot + heads * stride_oh, y1, y2, offs, rows, HALF)
 
 
 def qk_norm_rope(
@@ -120,11 +180,98 @@ def qk_norm_rope(
     assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_tokens:
-        _qk_norm_rope_kernel[(n_tokens, n_heads)](
+        _qk_norm_rope_kernel[(n_tokens,)](
             x, weight if weight is not None else x, out, cos, sin, positions,
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-            eps,
+            n_heads, eps,
+            BLOCK_H=triton.next_power_of_2(n_heads),
             HALF=head_dim // 2,
             NORM=weight is not None,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_cos,
+    n_heads, n_kv_heads, eps,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    PAD_SLOT: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    position = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + position * stride_cos + offs)
+    sin = tl.load(sin_ptr + position * stride_cos + offs)
+    heads = tl.arange(0, BLOCK_H)
+    rows = heads < n_heads
+    src = q_ptr + token * stride_qt + heads * stride_qh
+    y1, y2 = _norm_rope_heads(src, q_w_ptr, cos, sin, offs, rows, eps, HALF, NORM)
+    _store_halves(q_out_ptr + token * stride_ot + heads * stride_oh, y1, y2, offs, rows, HALF)
+
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot != PAD_SLOT:  # a CUDA graph's padded row writes nowhere
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        kv_heads = tl.arange(0, BLOCK_KV)
+        kv_rows = kv_heads < n_kv_heads
+        k_src = k_ptr + token * stride_kt + kv_heads * stride_kh
+        k1, k2 = _norm_rope_heads(k_src, k_w_ptr, cos, sin, offs, kv_rows, eps, HALF, NORM)
+        k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_heads * stride_kch
+        _store_halves(k_dst, k1, k2, offs, kv_rows, HALF)
+        v_src = v_ptr + token * stride_vt + kv_heads * stride_vh
+        v1 = tl.load(v_src[:, None] + offs[None, :], mask=kv_rows[:, None])
+        v2 = tl.load(v_src[:, None] + HALF + offs[None, :], mask=kv_rows[:, None])
+        v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_heads * stride_vch
+        _store_halves(v_dst, v1, v2, offs, kv_rows, HALF)
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """q (N, H, D), k and v (N, Hkv, D): `qk_norm_rope` of q and k, with k and v stored into the
+    paged caches at `slot_mapping` (N,) in the same launch -> the rotated q, (N, H, D)."""
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    assert k.shape == v.shape == (n_tokens, n_kv_heads, head_dim)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (n_kv_heads, head_dim)
+    assert (q_weight is None) == (k_weight is None) and slot_mapping.shape == (n_tokens,)
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos.stride() == sin.stride()
+    assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if n_tokens:
+        norm = q_weight is not None
+        _qk_norm_rope_store_kernel[(n_tokens,)](
+            q, k, v, q_weight if norm else q, k_weight if norm else k, out, k_cache, v_cache,
+            cos, sin, positions, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos.stride(0),
+            n_heads, n_kv_heads, eps,
+            BLOCK_H=triton.next_power_of_2(n_heads),
+            BLOCK_KV=triton.next_power_of_2(n_kv_heads),
+            BLOCK_SIZE=k_cache.shape[1],
+            HALF=head_dim // 2,
+            NORM=norm,
+            PAD_SLOT=PAD_SLOT_ID,
         )  # fmt: skip
     return out

@@ -14,6 +14,12 @@ Idea (vLLM's PagedAttention v2, FlashDecoding):
   running the online softmax (m_i, l_i, acc) over its range and writing its normalized partial
   output and log-sum-exp; a second, tiny kernel merges the splits with weights exp2(lse - max).
   `num_splits` comes from a heuristic that aims for a few programs per SM without host syncs.
+  With a single split the program normalizes and stores the output itself: no merge launch.
+- the key loop is `attn_tiles` (online_softmax.py), the prefill kernel's loop, with this
+  kernel's rows being the query heads of one KV head.
+
+Tuning (`DecodeConfig`, `tuned` vs `baseline`) is measured at workload W's mix, contexts of
+100-2,000 tokens at batch 1-256, inside CUDA graphs (benchmarks/phase7_kernels.py).
 
 Invariants:
 - the query of sequence i is position seq_len_i - 1: it sees keys 0 … seq_len_i - 1, all of them.
@@ -32,37 +38,58 @@ import torch
 import triton
 import triton.language as tl
 
+from .online_softmax import attn_tiles
+
 LOG2_E = 1.4426950408889634
 MIN_BLOCK_H = 16  # tl.dot's smallest M on a GPU
-PROGRAMS_PER_SM = 4  # how many programs the split heuristic aims at per SM
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's partial-output traffic stops paying off
 MAX_SPLITS = 64
 INTERPRETER_NUM_SMS = 4  # what the heuristic assumes when there is no GPU to ask
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Key tile and launch parameters; `default_decode_config` picks one per device."""
+    """Key tile, launch parameters and the split heuristic's two knobs."""
 
     block_n: int
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 4  # how many programs the split heuristic aims at per SM
+    min_tokens_per_split: int = 256  # below this a split's partial-output traffic stops paying
+    direct_single_split: bool = False  # one split: store the output, skip the merge kernel
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n != triton.next_power_of_2(self.block_n):
             raise ValueError(f"block_n must be a power of two >= 16, got {self}")
+        if self.programs_per_sm < 1 or self.min_tokens_per_split < 1:
+            raise ValueError(f"the split heuristic's knobs must be >= 1, got {self}")
 
 
-def default_decode_config(device: torch.device) -> DecodeConfig:
-    if device.type != "cuda":
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
+BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
+# The H200 at W's mix (benchmarks/phase7_kernels.py, `run_decode_w_mix`, 2026-12-01), % of
+# copy bandwidth, tuned (baseline): batch 256 90 (86), 128 84 (77), 64 77 (72), 32 65 (62),
+# 8 25 (30), 1 4.5 (4.5): aiming at 16 programs per SM gives batch 128-256 two or three splits,
+# so no sequence's whole long context finishes last; a short context splits finer (a single
+# stream's 512-768 tokens in 16 splits, not 4: 4.4 µs a layer, not 7.8); (64, 4, 3) was the best
+# tile overall. Batch 8 loses (33 splits are too many for its contexts).
+TUNED_DECODE_CONFIG = DecodeConfig(
+    block_n=64, num_warps=4, num_stages=3, programs_per_sm=16, min_tokens_per_split=64,
+    direct_single_split=True,
+)  # fmt: skip
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Enough splits for ~PROGRAMS_PER_SM programs per SM, each split >= MIN_TOKENS_PER_SPLIT."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
-    longest_useful = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
+def default_decode_config(device: torch.device, tuned: bool = True) -> DecodeConfig:
+    if device.type != "cuda":  # the interpreter: small tiles keep the CPU tests quick
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned)
+    return TUNED_DECODE_CONFIG if tuned else BASELINE_DECODE_CONFIG
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int,
+    config: DecodeConfig = BASELINE_DECODE_CONFIG,
+) -> int:  # fmt: skip
+    """Enough splits for ~programs_per_sm programs per SM, each split >= min_tokens_per_split."""
+    wanted = triton.cdiv(config.programs_per_sm * num_sms, num_seqs * num_kv_heads)
+    longest_useful = triton.cdiv(max_context, config.min_tokens_per_split)
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
@@ -95,6 +122,7 @@ def _paged_decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: part_out_ptr is the output, (seq, head) rows, its dtype
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,37 +142,27 @@ def _paged_decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    q_pos = seq_len - 1 + tl.zeros([BLOCK_H], dtype=tl.int32)  # the newest position: sees all
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        in_ctx = offs_n < hi
-        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        k_ptrs = k_cache_ptr + block[:, None] * stride_kcb + in_block[:, None] * stride_kcs
-        k = tl.load(
-            k_ptrs + kv_head * stride_kch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
-        )
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
-        qk = tl.where(in_ctx[None, :], qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_cache_ptr + block[:, None] * stride_vcb + in_block[:, None] * stride_vcs
-        v = tl.load(
-            v_ptrs + kv_head * stride_vch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
-        )
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_ij
+    acc, l_i, m_i = attn_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        lo, hi, qk_scale,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, MASK=True,
+    )  # fmt: skip
 
     # an empty split (lo >= seq_len) keeps l_i == 0: output 0, lse = -inf, merge weight 0
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     part_row = seq.to(tl.int64) * stride_pos + heads * stride_poh + split * stride_pop
-    tl.store(part_out_ptr + part_row[:, None] + offs_d[None, :], out, mask=head_mask)
-    lse_ptrs = part_lse_ptr + seq * stride_lses + heads * stride_lseh + split
-    tl.store(lse_ptrs, lse, mask=offs_h < QUERY_GROUP_SIZE)
+    part_ptrs = part_out_ptr + part_row[:, None] + offs_d[None, :]
+    if DIRECT:
+        tl.store(part_ptrs, out.to(part_out_ptr.dtype.element_ty), mask=head_mask)
+    else:
+        lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_ptrs, out, mask=head_mask)
+        lse_ptrs = part_lse_ptr + seq * stride_lses + heads * stride_lseh + split
+        tl.store(lse_ptrs, lse, mask=offs_h < QUERY_GROUP_SIZE)
 
 
 # exercise 7.2: merging split-K partial results
@@ -217,13 +235,17 @@ def paged_decode_attention(
             if q.device.type == "cuda"
             else INTERPRETER_NUM_SMS
         )
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms, config)
 
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
-    part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
+    direct = num_splits == 1 and config.direct_single_split
+    if direct:  # the split kernel's (seq, head, split) rows are the output's (seq, head) rows
+        part_out, part_lse = out.unsqueeze(2), out.new_empty(1, 1, dtype=torch.float32)
+    else:
+        part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
+        part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse,
@@ -239,9 +261,12 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
+        DIRECT=direct,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
+    if direct:
+        return out
     _paged_decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),

@@ -1,0 +1,183 @@
+"""Small-batch linear layers as a bandwidth-bound GEMV: y = x @ W^T for a few rows of x.
+
+Problem: at batch 1-16 a linear layer does 2 FLOPs per weight it reads, far below the GPU's
+ridge point (~176 FLOP/byte on the H200): its time should be its weight's bytes over the memory
+bandwidth. Qwen3-0.6B's layers hold 2-12 MB, 0.5-3 µs at 4.2 TB/s, yet cuBLAS takes 6-8 µs each
+on them at batch 1 (0.8-2.0 TB/s, benchmarks/results/roofline_cuda.json): a few hundred KB per SM
+is too little work for a kernel tuned for large matrices, and 112 such layers are ~0.7 ms of a
+token. The smaller ones (1,024 output features) are also too few rows to keep every SM busy.
+
+Idea: stream W once with every SM pulling. One program owns BLOCK_N output features and one
+K-range of the input features: it loads the [BLOCK_M, BLOCK_K] slice of x (tiny, from L2) and the
+[BLOCK_N, BLOCK_K] tiles of W (software-pipelined), accumulating with tl.dot in fp32 (the rows
+are padded to BLOCK_M = 16, the smallest tl.dot tile: the tensor cores are idle anyway). A layer
+with few output tiles splits K into SPLIT_K ranges so that every SM has work (split-K); each
+program writes its fp32 partial sum, and the last of a tile's programs to finish (an atomic
+counter per tile) adds the partials and stores y: one launch, no separate reduce kernel.
+
+Invariants:
+- x (M, K) with M <= BLOCK_M and a contiguous last dim; W (N, K) contiguous (the checkpoint
+  layout); y (M, N) in x's dtype; fp32 inputs are multiplied in full fp32 (no TF32);
+- `counters` (int32, one per output tile) are zero between calls: a tile's last program resets
+  its own, so one buffer serves every call of a layer and every CUDA graph replay; no two calls
+  sharing a buffer run at the same time (one stream);
+- split s covers K positions [s * K / SPLIT_K, (s + 1) * K / SPLIT_K); SPLIT_K * BLOCK_K divides K
+  when EVEN_K, so no load along K needs a mask.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # x's rows, padded: tl.dot's smallest M on a GPU (config.MAX_GEMV_BATCH)
+PROGRAMS_PER_SM = 2  # the split heuristic's aim
+WIDE_N = 32768  # output features from which a layer is an LM head: wider tiles
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile sizes, K split and launch parameters; `default_gemv_config` picks one per shape."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for tile in (self.block_n, self.block_k):
+            if tile < 16 or tile != triton.next_power_of_2(tile):
+                raise ValueError(f"tiles must be powers of two >= 16, got {self}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self}")
+
+
+def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
+    if device.type != "cuda":  # the interpreter: few, large programs are quick
+        return GemvConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=1)
+    return gemv_config_for(n, k, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def gemv_config_for(n: int, k: int, num_sms: int) -> GemvConfig:
+    """The H200 sweep at batch 1 (benchmarks/phase7_kernels.py, `run_gemv`, 2026-12-01): a tile
+    per program narrow enough that the output tiles alone cover the SMs (BLOCK_N 16 or 32, 64
+    for an LM head's vocabulary), and a K split only for layers too narrow for that (~2 per SM).
+    Qwen3-0.6B at batch 1, µs (cuBLAS): qkv 5.8 (5.5), o_proj 5.4 (12.7), gate_up 6.7 (6.5),
+    down 6.0 (7.6), lm_head 78.6 (82.8, 93% of copy bandwidth). A layer of a few MB costs ~5 µs
+    whoever computes it: a kernel's start and its first loads' latency, not bytes, bound it."""
+    if n >= WIDE_N:
+        block_n, block_k = 64, 128
+    elif triton.cdiv(n, 32) < num_sms <= triton.cdiv(n, 16):
+        block_n, block_k = 16, 256
+    else:
+        block_n, block_k = 32, 128
+    split_k = 1
+    if triton.cdiv(n, block_n) < num_sms:
+        split_k = choose_split_k(n, k, block_n, block_k, PROGRAMS_PER_SM * num_sms)
+    return GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
+
+
+def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
+    """The largest split of K into whole BLOCK_K chunks that keeps the grid near `programs`
+    (an uneven K is not split)."""
+    chunks = k // block_k if k % block_k == 0 else 1
+    wanted = max(1, triton.cdiv(programs, triton.cdiv(n, block_n)))
+    return max(s for s in range(1, chunks + 1) if chunks % s == 0 and s <= wanted)
+
+
+def counters_for(n: int, device: torch.device) -> torch.Tensor:
+    """A zeroed split-K counter buffer large enough for any config of an n-feature layer."""
+    return torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, partial_ptr, counters_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(k_lo, k_hi, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (offs_k < k_hi)[None, :]
+            x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+            w = tl.load(w_ptrs + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile = offs_m[:, None] * N + offs_n[None, :]  # partial sums: (SPLIT_K, BLOCK_M, N) fp32
+        tl.store(partial_ptr + split * BLOCK_M * N + tile, acc, mask=out_mask)
+        # every thread's stores are done (barrier) and, by the atomic's release, visible to the
+        # GPU before the count; its acquire makes the others' partials visible to the last one
+        tl.debug_barrier()
+        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # ".cg": from L2, where the other SMs wrote
+                total += tl.load(partial_ptr + s * BLOCK_M * N + tile, mask=out_mask,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counters_ptr + pid_n, 0)  # zero again for the next call
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counters: torch.Tensor,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x (M, K), M <= 16, weight (N, K) -> x @ weight^T (M, N). `counters`: `counters_for(N)`,
+    kept by the caller (zero between calls)."""
+    (m, k), n = x.shape, weight.shape[0]
+    assert weight.shape == (n, k) and weight.dtype == x.dtype and m <= BLOCK_M
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    config = config or default_gemv_config(n, k, x.device)
+    tiles = triton.cdiv(n, config.block_n)
+    assert counters.dtype == torch.int32 and counters.numel() >= tiles
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    split_k = config.split_k
+    partial = y.new_empty(split_k, BLOCK_M, n, dtype=torch.float32) if split_k > 1 else y
+    _gemv_kernel[(tiles, split_k)](
+        x, weight, y, partial, counters,
+        m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=split_k,
+        EVEN_K=k % (split_k * config.block_k) == 0,
+        IEEE=x.dtype == torch.float32,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return y

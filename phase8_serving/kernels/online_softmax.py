@@ -1,0 +1,80 @@
+"""The inner loop both attention kernels share: paged K/V tiles through the online softmax.
+
+Problem: prefill (flash_prefill.py) and decode (paged_decode.py) attention differ in who the
+queries are (BLOCK_M rows of one head, or the QUERY_GROUP_SIZE heads sharing one KV head) and in
+which keys they see, but not in how they read keys: walk a range of context positions in BLOCK_N
+tiles, find each position's physical slot through the block table, score, and fold the tile into
+a running softmax. Written twice, the two copies drift.
+
+Idea (Milakov & Gimelshein 2018, online softmax; FlashAttention-2's loop): keep, per query row, the
+running max m_i, the running sum l_i of exp2(score - m_i) and the unnormalized output acc, all
+fp32; when a tile raises the max, rescale what was summed under the old one by exp2(m_old - m_new)
+before adding the tile's P @ V. The score matrix never leaves the chip.
+
+Invariants:
+- scores are in log2 units: `qk_scale` is the softmax scale times log2(e), so exp2 replaces exp;
+- a key at position p is read from slot `block_table[p // BLOCK_SIZE] * BLOCK_SIZE +
+  p % BLOCK_SIZE` of KV head `kv_head`; positions >= hi are never loaded (masked to 0);
+- MASK: scores of keys at positions >= hi or > the row's q_pos become -inf. Without MASK the
+  caller guarantees every key of every tile in [lo, hi) is visible to every row (whole tiles);
+- every row sees at least one key of the first tile it folds (key 0 in prefill, the split's first
+  key in decode), so m_i is finite from then on and no exp2(-inf - -inf) = NaN arises; with an
+  empty range [lo, hi) nothing changes; acc / l_i is the attention output once all are folded.
+"""
+
+import triton
+import triton.language as tl
+
+
+# exercise 7.1: the online softmax over key tiles
+@triton.jit
+def attn_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    lo,
+    hi,
+    qk_scale,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # key positions
+        in_ctx = offs_n < hi
+        # paged gather: position -> (physical block, offset in block)
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k_ptrs = k_cache_ptr + block[:, None] * stride_kcb + in_block[:, None] * stride_kcs
+        k = tl.load(
+            k_ptrs + kv_head * stride_kch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
+        )
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (rows, BLOCK_N), log2 units
+        if MASK:
+            visible = in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)  # rescales what was summed under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_cache_ptr + block[:, None] * stride_vcb + in_block[:, None] * stride_vcs
+        v = tl.load(
+            v_ptrs + kv_head * stride_vch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
+        )
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_ij
+    return acc, l_i, m_i
