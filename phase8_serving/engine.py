@@ -35,7 +35,9 @@ so a request without stop strings is detokenized once, when it finishes.
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
 for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
 requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). (`abort_request` frees
-a request's blocks at once; the server calls it when a client goes away.)
+a request's blocks at once; the server calls it when a client goes away.) The server's engine core
+process (engine_core.py) asks for `DELTA_TOKEN_IDS`: each step's new token ids and no text at all,
+because its front end detokenizes and finds stop strings in another process.
 """
 
 import atexit
@@ -87,6 +89,13 @@ class RequestOutput:
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # an output every step the request gets a token (streaming)
     FINAL_ONLY = "final_only"  # one output, when the request finishes (offline generate)
+    # each step's new token ids (and logprobs), no text: the engine core's (its front end
+    # detokenizes and searches the stop strings, and aborts the request when it finds one)
+    DELTA_TOKEN_IDS = "delta_token_ids"
+
+    @property
+    def has_text(self) -> bool:
+        return self is not RequestOutputKind.DELTA_TOKEN_IDS
 
 
 @dataclass
@@ -235,7 +244,8 @@ class LLMEngine:
             updated.append(seq)
             reason = self._finish_reason(seq, token)
             # a stop token's own text is never shown; only stop strings need the text each step
-            if reason is not FinishReason.STOP and seq.params.stop:
+            kind = self.requests[seq.request_id].output_kind
+            if reason is not FinishReason.STOP and seq.params.stop and kind.has_text:
                 reason = self._detokenize(seq) or reason  # the last token has text too
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -247,7 +257,7 @@ class LLMEngine:
             self._output(seq)
             for seq in updated
             if seq.is_finished
-            or self.requests[seq.request_id].output_kind is RequestOutputKind.CUMULATIVE
+            or self.requests[seq.request_id].output_kind is not RequestOutputKind.FINAL_ONLY
         ]
         for seq in finished:
             del self.requests[seq.request_id]  # delivered: the engine forgets it
@@ -287,6 +297,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
+        if not request.output_kind.has_text:
+            return self._token_ids_output(seq, request)
         # every token has text but a stop token (a stop string's request is already caught up)
         stopped = seq.finish_reason is FinishReason.STOP
         self._catch_up_text(request, seq.num_output_tokens - stopped)
@@ -301,6 +313,13 @@ class LLMEngine:
         return RequestOutput(
             seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished
         )
+
+    def _token_ids_output(self, seq: Sequence, request: Request) -> RequestOutput:
+        """The token this step added and its logprobs; no text, no prompt (the caller has it)."""
+        reason = seq.finish_reason.value if seq.finish_reason else None
+        logprobs = request.logprobs[-1:] if seq.params.logprobs is not None else None
+        completion = CompletionOutput(0, "", seq.token_ids[-1:], reason, logprobs)
+        return RequestOutput(seq.request_id, None, [], [completion], seq.is_finished)
 
 
 def stop_hold_back(params: SamplingParams) -> int:

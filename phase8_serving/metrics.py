@@ -4,14 +4,16 @@ Problem: a server runs unattended; its operators need to see load (running and w
 KV cache usage), efficiency (prefix-cache hits, preemptions) and latency as users feel it (time to
 first token, inter-token latency, end-to-end latency), without attaching a debugger.
 Idea: `prometheus_client` metrics in a registry owned by one server (no process-global state).
-Latencies and token counts are observed by the engine thread as outputs appear; the rest is read
-from the engine's latest `EngineStats` snapshot when Prometheus scrapes. Names are vLLM's
+Latencies and token counts are observed by the front end's output processor as outputs arrive from
+the engine core; the rest is read from the latest `EngineStats` each core sent with its step,
+summed over the cores, when Prometheus scrapes. Names are vLLM's
 (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...), so dashboards built for
 vLLM read this server unchanged.
 """
 
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,7 +31,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's state after a step, published whole by the engine thread."""
+    """An engine's state after a step, sent whole by its engine core process."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -37,6 +39,19 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_preemptions: int = 0
+
+
+@dataclass
+class RequestTiming:
+    """One request's moments. `arrival` and `last_token` are the front end's clock (what users
+    feel); the others the engine core's, sent with its outputs (intervals within the core)."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    last_token: float | None = None  # when the front end received the latest token
+    core_arrival: float | None = None  # the core received the request
+    scheduled: float | None = None  # a step first ran it
+    first_token: float | None = None  # the step that produced its first token ended
+    finished: float | None = None  # the step that finished it ended
 
 
 class _StatsCollector(Collector):
@@ -92,6 +107,10 @@ class EngineMetrics:
             registry=reg, buckets=E2E_BUCKETS,
         ).labels(model_name)  # fmt: skip
         reg.register(_StatsCollector(model_name, stats))
+
+    def observe_finished(self, timing: RequestTiming, now: float, num_output_tokens: int) -> None:
+        """A request ended normally (not aborted, not failed)."""
+        self.e2e_request_latency.observe(now - timing.arrival)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

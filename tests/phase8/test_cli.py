@@ -15,6 +15,7 @@ import pytest
 from phase8_serving import LLM, SamplingParams
 from phase8_serving.cli import build_parser, chat, engine_kwargs, main, resolve_max_model_len
 from phase8_serving.config import EngineConfig, PreemptionMode
+from phase8_serving.engine_core import core_info
 
 SERVE_STARTUP_S = 120  # import + load on a busy 2-core machine
 
@@ -78,10 +79,11 @@ def test_chat_streams_the_reply_and_keeps_the_history(tiny_dir, capsys):
 
 def test_max_model_len_is_bounded_by_context_and_kv_cache(tiny_dir):
     engine = LLM(tiny_dir, dtype="float32", device="cpu", num_kv_blocks=4, block_size=8).engine
-    assert resolve_max_model_len(engine, None) == 32  # 4 blocks of 8 < the 128-token context
-    assert resolve_max_model_len(engine, 16) == 16
+    info = core_info(engine)
+    assert resolve_max_model_len(info, None) == 32  # 4 blocks of 8 < the 128-token context
+    assert resolve_max_model_len(info, 16) == 16
     with pytest.raises(ValueError, match="max-model-len"):
-        resolve_max_model_len(engine, 33)
+        resolve_max_model_len(info, 33)
 
 
 def test_serve_subcommand_answers_the_openai_client(tiny_dir):
