@@ -29,6 +29,7 @@ Invariants:
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -105,10 +106,16 @@ class FastJSONResponse(JSONResponse):
         return dumps(content)
 
 
+class ErrorResponse(JSONResponse):
+    """ASCII-escaped JSON: an error may quote anything a client sent, a lone surrogate too."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content).encode()
+
+
 def error_response(status: int, message: str, param: str | None = None, code=None) -> JSONResponse:
-    """OpenAI's error shape; ASCII-escaped, so any text a client sent can be quoted in it."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+    return ErrorResponse(error_body(message, kind, param, code), status_code=status)
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
@@ -349,10 +356,10 @@ class EngineStreamingResponse(StreamingResponse):
         except OSError:  # the socket broke under a write: the client is gone all the same
             pass
         finally:
-            if not self.stream.finished:
+            self.stream.close()  # aborts what has not finished: its KV blocks are freed
+            if self.stream.abandoned:
                 logger.info("%s: the client disconnected mid-stream; its requests were aborted",
                             self.request_id)  # fmt: skip
-            self.stream.close()  # aborts what has not finished: its KV blocks are freed
             await self.body_iterator.aclose()  # ends the generator
 
 
@@ -416,7 +423,9 @@ async def _unless_disconnected(request: Request, work) -> bool:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
-        return True
-    task.result()  # raises the work's error
-    return False
+    if task.done():
+        task.result()  # raises the work's error
+        return False
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # let the cancelled work unwind (it closes nothing: the caller does)
+    return True

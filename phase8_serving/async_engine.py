@@ -61,6 +61,8 @@ class RequestStream:
         self.request_ids = request_ids  # one per choice, in choice order
         self.collector = collector
         self.unfinished = set(range(len(request_ids)))
+        self.failed = False  # the engine failed it (a step error, a dead core)
+        self.abandoned = False  # closed before it finished, by its reader
 
     @property
     def finished(self) -> bool:
@@ -74,7 +76,8 @@ class RequestStream:
             raise StopAsyncIteration
         try:
             deltas = await self.collector.get()
-        except BaseException:
+        except (EngineStepError, EngineDeadError):
+            self.failed = True
             self.close()
             raise
         self.unfinished -= {i for i, d in deltas.items() if d.finish_reason is not None}
@@ -83,6 +86,7 @@ class RequestStream:
     def close(self) -> None:
         """Aborts the unfinished choices; safe to call more than once."""
         if self.unfinished:
+            self.abandoned = not self.failed
             self.llm.abort([self.request_ids[i] for i in sorted(self.unfinished)])
             self.unfinished.clear()
 
