@@ -243,14 +243,15 @@ class EngineCoreClient:
         return await future
 
     def shutdown(self) -> None:
-        """Tells every core to stop, waits for the spawned ones (killing stragglers), closes."""
+        """Stops the cores this front end spawned (killing stragglers) and closes the sockets; a
+        core started on its own keeps running for the next front end."""
         for task in self.tasks:
             task.cancel()
         for core in self.cores:
             if core.process is not None and self.loop is not None and not self.loop.is_closed():
                 with contextlib.suppress(Exception):
                     self.loop.remove_reader(core.process.sentinel)
-            if core.dead is None:
+            if core.dead is None and core.process is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     core.socket.send(self.encoder.encode(Shutdown()), zmq.NOBLOCK)
         for core in self.cores:

@@ -203,11 +203,11 @@ class EngineCore:
 
     def run(self, parent_pid: int | None) -> None:
         while True:
+            if parent_pid is not None and os.getppid() != parent_pid:  # a syscall, ~1 us
+                logger.info("the front end is gone; the engine core exits")
+                return
             if not self.engine.has_unfinished_requests():
                 if not self.socket.poll(HEARTBEAT_INTERVAL_S * 1000):
-                    if parent_pid is not None and os.getppid() != parent_pid:
-                        logger.info("the front end is gone; the engine core exits")
-                        return
                     self._send(Heartbeat())
                     continue
             if not self._drain_inputs():
