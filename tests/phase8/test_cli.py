@@ -113,3 +113,6 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
     finally:
         server.terminate()
         server.wait(timeout=30)
+    log = server.stderr.read().decode()
+    assert "POST /v1/chat/completions" not in log  # no access log without --enable-log-requests
+    assert "KV cache:" in log  # the capacity, in tokens, as vLLM logs it

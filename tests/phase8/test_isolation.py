@@ -140,6 +140,15 @@ def test_a_batched_request_enters_in_one_message_and_leaves_together(live_server
     assert bystander.join() < MAX_STALL_S
 
 
+def test_a_huge_stop_list_is_a_400(live_server):
+    bystander = Bystander(live_server.base_url)
+    body = {"prompt": "hi", "max_tokens": 2, "stop": ["s"] * 1_000_000}  # ~5 MB of stops
+    response = httpx.post(live_server.base_url + "/v1/completions", json=body, timeout=60)
+    assert_openai_error(response, 400, "stop")
+    assert bystander.join() < MAX_STALL_S
+    live_server.wait_until_idle(timeout=2.0)
+
+
 @pytest.mark.parametrize("where", ["content", "model", "stop", "name", "template_kwargs"])
 def test_a_lone_surrogate_anywhere_is_a_400(live_server, where):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
