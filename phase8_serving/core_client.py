@@ -213,10 +213,12 @@ class EngineCoreClient:
 
     @property
     def is_alive(self) -> bool:
-        for core in self.cores:
-            if core.process is not None and core.dead is None and not core.process.is_alive():
-                core.dead = f"engine core {core.index} died (exit code {core.process.exitcode})"
-        return all(core.dead is None for core in self.cores)
+        """Every core lives (a spawned core's process is asked directly: its sentinel's callback
+        may not have run yet)."""
+        return all(
+            core.dead is None and (core.process is None or core.process.is_alive())
+            for core in self.cores
+        )
 
     def least_loaded(self) -> CoreConnection:
         live = [c for c in self.cores if c.dead is None]

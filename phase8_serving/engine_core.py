@@ -22,7 +22,8 @@ Invariants:
   and a `GetState` reply reflects every message sent before it;
 - idle, the core blocks on its socket (a heartbeat every `HEARTBEAT_INTERVAL_S`, no busy poll);
 - a failing step fails the requests in flight (finish reason "error") and the loop goes on;
-- a core started by a front end exits when that front end's process is gone.
+- a core started by a front end exits when that front end's process is gone; a core started on
+  its own serves whichever front end said `Hello` last, and drops the requests of the one before.
 """
 
 import logging
@@ -222,11 +223,19 @@ class EngineCore:
                 peer, frame = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            self.peer = peer
             message = self.decoder.decode(frame)
+            if isinstance(message, Hello) and self.peer not in (None, peer):
+                self._abort_all()  # a new front end: the old one's requests have nobody to read
+            self.peer = peer
             if isinstance(message, Shutdown):
                 return False
             self._handle(message)
+
+    def _abort_all(self) -> None:
+        logger.info("a new front end connected; aborting %d requests", len(self.engine.requests))
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        self.timing.clear()
 
     def _handle(self, message: CoreInput) -> None:
         engine = self.engine
