@@ -330,7 +330,8 @@ def core_info(engine: LLMEngine) -> CoreInfo:
     return CoreInfo(
         vocab_size=model_config.vocab_size,
         max_position_embeddings=model_config.max_position_embeddings,
-        num_kv_slots=config.num_kv_slots,
+        # the cache as built (its size may be computed at start-up, not given in the config)
+        num_kv_slots=len(engine.block_manager.blocks) * config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_chunked_prefill=config.enable_chunked_prefill,
         device=str(engine.runner.device),
