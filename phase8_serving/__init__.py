@@ -1,12 +1,14 @@
 """Phase 8: serving. An engine inside a Python object serves nobody.
 
-Phase 7's engine behind an OpenAI-compatible HTTP server: the engine loop runs in a background
-thread (`async_engine.AsyncLLM`), each request gets an async stream of outputs, and a FastAPI app
-(`api_server.build_app`) speaks /v1/completions and /v1/chat/completions, streaming included, to
-any OpenAI client. `mini-vllm serve|generate|chat|bench` (cli.py) is the command line. The engine
-gains what clients ask for: presence/frequency/repetition penalties and logprobs.
-The server's modules (which need fastapi, uvicorn, prometheus_client) are not imported here, so
-the offline `LLM` works without them. Importing this package only defines things.
+Phase 7's engine behind an OpenAI-compatible HTTP server: the engine steps in engine core
+processes (`engine_core.py`, token ids only), the server's process keeps the text
+(`async_engine.AsyncLLM`: tokenizing, detokenizing, stop strings, one async stream of deltas per
+request), and a FastAPI app (`api_server.build_app`) speaks /v1/completions and
+/v1/chat/completions, streaming included, to any OpenAI client. `mini-vllm
+serve|engine-core|generate|chat|bench` (cli.py) is the command line. The engine gains what clients
+ask for: presence/frequency/repetition penalties and logprobs. The server's modules (which need
+fastapi, uvicorn, prometheus_client, pyzmq, msgspec) are not imported here, so the offline `LLM`
+works without them. Importing this package only defines things.
 """
 
 from .block_manager import BlockManager

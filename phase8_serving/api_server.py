@@ -11,16 +11,28 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1
 GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's
 models).
 
+Nothing one client sends stalls the others: a body over `max_request_body_bytes` is a 413 before
+it is read whole; more than `max_choices_per_request` prompts x n is a 400 before any tokenizing;
+tokenizing and chat templates run in the front end's thread pool, never on the event loop; every
+prompt of a request enters the engine in one message and leaves it in one abort. A streamed step
+is one write per HTTP request (every choice's chunk of that step together), its JSON made by
+orjson or msgspec where installed.
+
 Invariants:
 - anything a client can send gets a 2xx or a 4xx in the OpenAI error shape, never a 5xx:
-  bad bodies 400 (not FastAPI's 422), an unknown model 404, a missing or wrong API key 401;
+  bad bodies 400 (not FastAPI's 422), a lone surrogate anywhere 400, an unknown model 404, a
+  missing or wrong API key 401, a body over the limit 413; a dead engine core is a 5xx (and
+  /health says 503), a failed step a 500 or an SSE error event: never a hang;
 - every request this server opened in the engine is closed when its handler ends, however it
-  ends (done, error, client gone): `RequestStream.close()` aborts it and frees its KV blocks;
+  ends (done, error, client gone): `RequestStream.close()` aborts it and frees its KV blocks; a
+  client that leaves is one log line, not a traceback;
 - usage counts are the token ids the engine received and produced.
 """
 
 import asyncio
+import contextlib
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -32,7 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncLLM, EngineStepError, RequestStream
+from .async_engine import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
 from .metrics import CONTENT_TYPE
 from .protocol import (
     ChatCompletionRequest,
@@ -53,7 +65,25 @@ from .responses import (
     usage_chunk,
 )
 
+logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # reachable without the API key
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # a long-context prompt as text fits well inside
+DEFAULT_MAX_CHOICES_PER_REQUEST = 256  # prompts x n: an engine's worth of running requests
+DONE = b"data: [DONE]\n\n"
+
+try:  # the fastest JSON encoder installed: orjson, then msgspec, then the standard library
+    import orjson
+
+    dumps = orjson.dumps
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        import msgspec
+
+        dumps = msgspec.json.encode
+    except ImportError:
+
+        def dumps(payload) -> bytes:
+            return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -61,19 +91,38 @@ class ServerConfig:
     model_name: str  # what clients put in "model"
     max_model_len: int  # prompt + completion tokens, at most
     api_key: str | None = None  # None: no authentication
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get a 413
+    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST  # prompts x n, at most
+    enable_log_requests: bool = False  # a log line per request (uvicorn's access log too)
 
     def __post_init__(self):
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name in ("max_request_body_bytes", "max_choices_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class FastJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return dumps(content)
+
+
+class ErrorResponse(JSONResponse):
+    """ASCII-escaped JSON: an error may quote anything a client sent, a lone surrogate too."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content).encode()
 
 
 def error_response(status: int, message: str, param: str | None = None, code=None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+    return ErrorResponse(error_body(message, kind, param, code), status_code=status)
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="mini-vllm", summary="OpenAI-compatible server")
+    app = FastAPI(title="mini-vllm", summary="OpenAI-compatible server",
+                  default_response_class=FastJSONResponse)  # fmt: skip
     server = _Server(llm, config)
     _install_error_handlers(app, config)
 
@@ -108,6 +157,38 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
+class RequestTooLarge(StarletteHTTPException):
+    """Raised while reading a body without Content-Length that grew past the limit (an
+    HTTPException, so FastAPI's body reader lets it through to the 413 handler)."""
+
+
+class BodySizeLimitMiddleware:
+    """Plain ASGI: a body over the limit is refused before the app reads it whole."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        message = f"The request body is larger than {self.limit} bytes (--max-request-body-bytes)."
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await error_response(413, message)(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            event = await receive()
+            received += len(event.get("body", b""))
+            if received > self.limit:
+                raise RequestTooLarge(413, message)
+            return event
+
+        await self.app(scope, limited_receive, send)
+
+
 class ApiKeyMiddleware:
     """Plain ASGI (not Starlette's BaseHTTPMiddleware, which would put its own task between a
     streaming response and the client and delay the disconnect that aborts the request)."""
@@ -130,6 +211,7 @@ class ApiKeyMiddleware:
 def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, limit=config.max_request_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -142,6 +224,10 @@ def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
         return error_response(exc.status, str(exc), exc.param, exc.code)
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
@@ -153,34 +239,47 @@ class _Server:
     def __init__(self, llm: AsyncLLM, config: ServerConfig):
         self.llm = llm
         self.config = config
-        self.tokenizer = llm.engine.tokenizer
+        self.tokenizer = llm.tokenizer
 
     async def serve(self, body: SamplingRequest, request: Request) -> Response:
+        check_no_lone_surrogate(body)  # before anything quotes the client's text back
         if body.model is not None and body.model != self.config.model_name:
             raise InvalidRequest(
                 f"The model `{body.model}` does not exist.", "model", 404, "model_not_found"
             )
-        prompts = self._prompt_token_ids(body)
         chat = isinstance(body, ChatCompletionRequest)
+        num_choices = body.n * (1 if chat else len(body.prompts()))
+        if num_choices > self.config.max_choices_per_request:
+            raise InvalidRequest(
+                f"This request asks for {num_choices} completions (prompts x n); the server "
+                f"allows {self.config.max_choices_per_request} (--max-choices-per-request).",
+                "n" if chat else "prompt",
+            )
+        prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        streams = await self._open(request_id, body, prompts)
-        choices = [ChoiceStream(i, s, self.tokenizer, body.stop) for i, s in enumerate(streams)]
+        stream = await self._open(request_id, body, prompts)
+        if self.config.enable_log_requests:
+            logger.info("%s: %d prompt tokens, %d choices, stream=%s", request_id,
+                        sum(map(len, prompts)), num_choices, bool(body.stream))  # fmt: skip
+        choices = [ChoiceStream(i, self.tokenizer) for i in range(num_choices)]
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
-            return EngineStreamingResponse(
-                self._events(choices, meta, body, prompts, chat), streams
-            )
+            events = self._events(stream, choices, meta, body, prompts, chat)
+            return EngineStreamingResponse(events, stream, request_id)
         try:
-            await _unless_disconnected(request, asyncio.gather(*(c.run() for c in choices)))
-        except EngineStepError as e:
+            client_left = await _unless_disconnected(request, _collect(stream, choices))
+        except (EngineStepError, EngineDeadError) as e:
             return error_response(500, str(e))
         finally:
-            for c in choices:
-                c.stream.close()
+            stream.close()
+        if client_left:
+            logger.info("%s: the client disconnected; its requests were aborted", request_id)
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         build = chat_response if chat else completion_response
-        return JSONResponse(build(meta, choices, usage(prompts, choices)))
+        return FastJSONResponse(build(meta, choices, usage(prompts, choices)))
 
     def _prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
+        """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input."""
         tok = self.tokenizer
         if isinstance(body, ChatCompletionRequest):
             messages = [m.for_template() for m in body.messages]
@@ -190,54 +289,60 @@ class _Server:
                 )
             except Exception as e:  # the template is code we run on the client's input
                 raise InvalidRequest(f"the chat template failed: {e}", "messages") from e
-            return [tok.encode(text, add_special_tokens=False)]  # the template holds them
-        prompts = [p if isinstance(p, list) else tok.encode(p) for p in body.prompts()]
+            return tok.encode_batch([text], add_special_tokens=False)  # the template holds them
+        prompts = body.prompts()
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(tok.encode_batch(texts) if texts else [])
+        prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
         if not all(prompts):
             raise InvalidRequest("the prompt must contain at least one token", "prompt")
         return prompts
 
     async def _open(
         self, request_id: str, body: SamplingRequest, prompts: list[list[int]]
-    ) -> list[RequestStream]:
-        """One engine request per (prompt, choice); choice index = prompt index * n + choice."""
-        streams: list[RequestStream] = []
+    ) -> RequestStream:
+        """All engine requests of this HTTP request, admitted in one message; choice index =
+        prompt index * n + choice."""
+        expanded, params = [], []
         try:
             for prompt in prompts:
                 for choice in range(body.n):
-                    params = body.sampling_params(len(prompt), self.config.max_model_len, choice)
-                    stream_id = f"{request_id}-{len(streams)}"
-                    streams.append(await self.llm.add_request(stream_id, prompt, params))
-        except ValueError as e:  # SamplingParams' or the engine's verdict: nothing is left open
-            for s in streams:
-                s.close()
-            if isinstance(e, InvalidRequest):
-                raise
-            raise InvalidRequest(str(e)) from e
-        except BaseException:
-            for s in streams:
-                s.close()
+                    expanded.append(prompt)
+                    params.append(
+                        body.sampling_params(len(prompt), self.config.max_model_len, choice)
+                    )
+            return await self.llm.add_requests(request_id, expanded, params)
+        except InvalidRequest:
             raise
-        return streams
+        except ValueError as e:  # SamplingParams' or the engine's verdict: nothing was sent
+            raise InvalidRequest(str(e)) from e
 
     async def _events(
-        self, choices: list[ChoiceStream], meta: dict, body: SamplingRequest, prompts, chat: bool
-    ) -> AsyncIterator[str]:
+        self, stream: RequestStream, choices: list[ChoiceStream], meta: dict,
+        body: SamplingRequest, prompts, chat: bool,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        """The SSE body: one write per engine step with every choice's news of that step."""
         chunk = chat_chunk if chat else completion_chunk
         extra = {"usage": None} if body.include_usage else {}  # OpenAI's shape with usage on
+        tail = []
         try:
             if chat:  # the role comes first, once per choice, as OpenAI sends it
-                for c in choices:
-                    yield _sse({**chat_role_chunk(meta, c), **extra})
-            async for payload in _merged(choices, lambda c, d: {**chunk(meta, c, d), **extra}):
-                yield _sse(payload)
+                yield b"".join(_sse({**chat_role_chunk(meta, c), **extra}) for c in choices)
+            async for deltas in stream:
+                events = []
+                for index, delta in deltas.items():
+                    choice = choices[index]
+                    if choice.add(delta):  # rendered now: text_offset reads the choice's totals
+                        events.append(_sse({**chunk(meta, choice, delta), **extra}))
+                if events:
+                    yield b"".join(events)
             if body.include_usage:
-                yield _sse(usage_chunk(meta, usage(prompts, choices), chat))
-        except EngineStepError as e:
-            yield _sse(error_body(str(e), "server_error", None, None))
+                tail.append(_sse(usage_chunk(meta, usage(prompts, choices), chat)))
+        except (EngineStepError, EngineDeadError) as e:
+            tail.append(_sse(error_body(str(e), "server_error", None, None)))
         finally:
-            for c in choices:
-                c.stream.close()
-        yield "data: [DONE]\n\n"
+            stream.close()
+        yield b"".join(tail) + DONE
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -248,55 +353,70 @@ class EngineStreamingResponse(StreamingResponse):
     the garbage collector finalizes it. So the cleanup is done here, explicitly.
     """
 
-    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream, request_id: str):
         super().__init__(events, media_type="text/event-stream")
-        self.streams = streams
+        self.stream = stream
+        self.request_id = request_id
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except OSError:  # the socket broke under a write: the client is gone all the same
+            pass
         finally:
-            for stream in self.streams:
-                stream.close()  # aborts what has not finished: its KV blocks are freed
-            await self.body_iterator.aclose()  # ends the generator and its helper tasks
+            self.stream.close()  # aborts what has not finished: its KV blocks are freed
+            if self.stream.abandoned:
+                logger.info("%s: the client disconnected mid-stream; its requests were aborted",
+                            self.request_id)  # fmt: skip
+            await self.body_iterator.aclose()  # ends the generator
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _sse(payload: dict) -> bytes:
+    return b"data: " + dumps(payload) + b"\n\n"
 
 
-async def _merged(choices: list[ChoiceStream], render) -> AsyncIterator[dict]:
-    """`render(choice, delta)` for every delta of every choice, in the order they arrive.
+def check_no_lone_surrogate(body: SamplingRequest) -> None:
+    """A lone UTF-16 surrogate ("\\ud800" in JSON) is valid JSON but no text: nothing can encode
+    it (the tokenizer, the reply), so it is refused up front, naming where it was."""
+    where = _lone_surrogate(body.model_dump(exclude_defaults=True), "")
+    if where is not None:
+        raise InvalidRequest(f"{where or 'body'}: contains a lone surrogate (not valid Unicode)",
+                             where.split(".")[0] or None)  # fmt: skip
 
-    Each delta is rendered as soon as its choice yields it, while the choice's totals still
-    match it (a streamed completion's text_offset depends on them).
-    """
-    ready: asyncio.Queue[tuple[dict, bool] | Exception] = asyncio.Queue()
 
-    async def pump(choice: ChoiceStream) -> None:
+def _lone_surrogate(value, path: str) -> str | None:
+    """The path of the first string holding a lone surrogate, or None."""
+    if isinstance(value, str):
         try:
-            async for delta in choice.deltas():
-                await ready.put((render(choice, delta), delta.finish_reason is not None))
-        except Exception as e:
-            await ready.put(e)
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        inner = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _lone_surrogate(key, inner) is not None:
+            return inner
+        if isinstance(item, str | dict | list | tuple):  # token ids need no look
+            found = _lone_surrogate(item, inner)
+            if found is not None:
+                return found
+    return None
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
-    try:
-        unfinished = len(choices)
-        while unfinished:
-            item = await ready.get()
-            if isinstance(item, Exception):
-                raise item
-            payload, last = item
-            unfinished -= last
-            yield payload
-    finally:
-        for t in tasks:
-            t.cancel()
+
+async def _collect(stream: RequestStream, choices: list[ChoiceStream]) -> None:
+    async for deltas in stream:
+        for index, delta in deltas.items():
+            choices[index].add(delta)
 
 
-async def _unless_disconnected(request: Request, work: asyncio.Future) -> None:
-    """Awaits `work`; if the client hangs up first, cancels it (its streams then abort)."""
+async def _unless_disconnected(request: Request, work) -> bool:
+    """Awaits `work`; True if the client hung up first (the work is then cancelled)."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -311,4 +431,9 @@ async def _unless_disconnected(request: Request, work: asyncio.Future) -> None:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    await task  # raises the work's error, or CancelledError if the client left
+    if task.done():
+        task.result()  # raises the work's error
+        return False
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # let the cancelled work unwind (it closes nothing: the caller does)
+    return True

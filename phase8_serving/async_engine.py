@@ -1,257 +1,253 @@
-"""Async engine: the engine loop in its own thread, one stream of outputs per request.
+"""Async engine: the front end of one or more engine core processes, one stream per HTTP request.
 
-Problem: `LLM.generate` takes a list of prompts known in advance and returns when all are done.
-A server's requests arrive one at a time, at any time, from clients that each wait on their own
-connection, want their tokens as soon as they exist, and may hang up halfway.
-Idea (the shape of vLLM's AsyncLLM, whose engine core runs in another process; here, a thread):
-a background thread owns the `LLMEngine` and does nothing but step it.
-The event loop talks to that thread through one command queue (add, abort) and gets outputs back
-through one asyncio queue per request (`RequestStream`), filled with `call_soon_threadsafe`. A
-web server's handlers (the front desk) never touch the engine (the kitchen); they hand in orders
-and pick up dishes.
+Problem: a server's requests arrive one at a time, at any time, from clients that each wait on their
+own connection, want their tokens as soon as they exist, and may hang up halfway. The engine that
+makes the tokens must never wait for any of that, nor share a GIL with it.
+Idea (vLLM v1's `AsyncLLM`): the engine runs in engine core processes (engine_core.py) reached
+through `EngineCoreClient` (core_client.py). This object, on the server's event loop, owns
+everything that is text: the tokenizer (its work runs in `tokenizer_pool`, off the loop), the
+output processor (output_processor.py: detokenizing, stop strings, deltas) and the metrics. A
+background task per core reads one message per engine step and hands every request its delta.
+The kitchen (the cores) only cooks; the front desk (this) takes orders and plates the dishes.
 
 Invariants:
-- only the engine thread calls the engine, so the engine needs no locks;
-- `add_request` returns only after the engine accepted the request, so a bad request fails with
-  its own `ValueError` (the server answers 400) before any response starts, and nothing changes;
-- a request whose stream is closed before it finished is aborted: its KV blocks are freed by the
-  engine thread's next command drain, which happens before its next step;
-- if a step raises, every request in flight gets that error and is aborted; the loop goes on;
-- on a GPU, phase 7's CUDA graphs were captured when the engine was built, before this thread
-  exists; the thread makes the engine's GPU its current device, so its replays, kernels, copies
-  and tensor-parallel broadcasts all go to that GPU's default stream, as they would in the
-  thread that built the engine (nothing here creates a stream).
+- `add_requests` checks every prompt against the core's limits first (a ValueError, before
+  anything is sent), then sends all of an HTTP request's prompts in ONE message to one core
+  (the least loaded), so they are admitted together;
+- a stream closed before it finished aborts all its unfinished engine requests in one message;
+- a core that dies fails the requests it held (`EngineDeadError`) and `is_alive` turns False;
+  a failed step fails its requests (`EngineStepError`); no request ever waits forever.
 """
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
-import queue
-import threading
-import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
-import torch
-
-from .engine import LLMEngine, RequestOutput
+from .core_client import EngineCoreClient, EngineDeadError
+from .engine_core import (
+    AbortRequests,
+    AddRequests,
+    CoreInfo,
+    EngineCoreRequest,
+    EngineCoreSpec,
+    EngineState,
+    StepOutputs,
+)
 from .metrics import EngineMetrics, EngineStats, cache_config_info
+from .output_processor import (
+    EngineStepError,
+    OutputProcessor,
+    RequestOutputCollector,
+    RequestState,
+    make_detokenizer,
+)
 from .sampling import SamplingParams
+from .streaming import OutputDelta
+from .tokenizer import Tokenizer
 
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStepError", "RequestStream"]
 logger = logging.getLogger(__name__)
-IDLE_POLL_S = 0.1  # an idle engine thread rechecks for shutdown this often
-
-
-class EngineStepError(RuntimeError):
-    """A step failed inside the engine; the requests it was running were aborted."""
-
-
-def deliver_all(deliveries: list[tuple["RequestStream", RequestOutput]]) -> None:
-    """Hands one step's outputs to their streams with one wake-up of each event loop, not one per
-    request: at 256 running requests, 256 cross-thread wake-ups a step cost more than the step."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for stream, item in deliveries:
-        by_loop.setdefault(stream._loop, []).append((stream, item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_batch, batch)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-
-def _put_batch(batch: list[tuple["RequestStream", RequestOutput]]) -> None:
-    for stream, item in batch:
-        stream._put_now(item)
+TOKENIZER_THREADS = 2  # tokenizing and chat templates run here, never on the event loop
+StatsCallback = Callable[[int, dict], None]  # (core index, the core's snapshot dict)
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator; the last one has `finished` set."""
+    """An HTTP request's outputs: each item maps choice indexes to their new deltas."""
 
-    def __init__(self, request_id: str, llm: "AsyncLLM", loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self._llm = llm
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
+    def __init__(self, llm: "AsyncLLM", request_ids: list[str], collector: RequestOutputCollector):
+        self.llm = llm
+        self.request_ids = request_ids  # one per choice, in choice order
+        self.collector = collector
+        self.unfinished = set(range(len(request_ids)))
+        self.failed = False  # the engine failed it (a step error, a dead core)
+        self.abandoned = False  # closed before it finished, by its reader
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Called from the engine thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    def _put_now(self, item: RequestOutput | BaseException) -> None:
-        """Called on the event loop."""
-        self._queue.put_nowait(item)
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
 
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> dict[int, OutputDelta]:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
+        try:
+            deltas = await self.collector.get()
+        except (EngineStepError, EngineDeadError):
+            self.failed = True
+            self.close()
+            raise
+        self.unfinished -= {i for i, d in deltas.items() if d.finish_reason is not None}
+        return deltas
 
     def close(self) -> None:
-        """Aborts the request unless it already finished; safe to call more than once."""
-        if not self.finished:
-            self.finished = True
-            self._llm.abort(self.request_id)
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: RequestStream
-    accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Shutdown:
-    pass
-
-
-@dataclass
-class _Timing:
-    """Per-request clock for the latency metrics (engine thread only)."""
-
-    arrival: float
-    last_token: float | None = None
+        """Aborts the unfinished choices; safe to call more than once."""
+        if self.unfinished:
+            self.abandoned = not self.failed
+            self.llm.abort([self.request_ids[i] for i in sorted(self.unfinished)])
+            self.unfinished.clear()
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, model_name: str):
-        self.engine = engine
+    def __init__(self, client: EngineCoreClient, tokenizer: Tokenizer, model_name: str):
+        self.client = client
+        self.tokenizer = tokenizer
         self.model_name = model_name
-        self.stats = EngineStats()  # replaced whole after every step (readers never see a mix)
-        kv = engine.kv_cache_config
-        max_model_len = min(engine.model.config.max_position_embeddings, kv.num_tokens)
-        cache_info = cache_config_info(engine.config, kv.num_blocks)
+        self.core_stats = [EngineStats() for _ in client.cores]
+        info = client.info
+        cache_info = cache_config_info(
+            info.block_size, info.num_kv_slots // info.block_size, info.num_cpu_kv_blocks,
+            info.enable_prefix_caching,
+        )  # fmt: skip
+        max_model_len = min(info.max_position_embeddings, info.num_kv_slots)
         self.metrics = EngineMetrics(model_name, lambda: self.stats, max_model_len, cache_info)
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Shutdown] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[RequestStream, _Timing]] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
+        self.processor = OutputProcessor(tokenizer, self.metrics)
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZER_THREADS, thread_name_prefix="tokenizer"
+        )
+        self._stats_callbacks: list[StatsCallback] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    # -- the event loop's side -------------------------------------------------------------
+    @classmethod
+    def spawn(
+        cls, spec: EngineCoreSpec, model_name: str, data_parallel_size: int = 1
+    ) -> "AsyncLLM":
+        """Starts the engine cores (blocking until they answer) and the front end around them."""
+        tokenizer = Tokenizer.from_dir(spec.model)  # a bad checkpoint fails before any spawn
+        return cls(EngineCoreClient.spawn(spec, data_parallel_size), tokenizer, model_name)
 
-    async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> RequestStream:
-        """Queues a request; raises ValueError (from the engine) if it is invalid."""
-        stream = RequestStream(request_id, self, asyncio.get_running_loop())
-        command = _Add(request_id, prompt_token_ids, params, stream)
-        self._commands.put(command)
-        try:
-            await asyncio.wrap_future(command.accepted)
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the caller left while the engine was busy; no-op if unknown
-            raise
-        return stream
+    @classmethod
+    def connect(cls, model_dir: str, addresses: list[str], model_name: str) -> "AsyncLLM":
+        """A front end for cores started elsewhere (`mini-vllm engine-core`); `model_dir` gives
+        the tokenizer, which must be the cores' checkpoint's."""
+        return cls(EngineCoreClient.connect(addresses), Tokenizer.from_dir(model_dir), model_name)
+
+    @property
+    def info(self) -> CoreInfo:
+        """The engine's limits (every core runs the same model and configuration)."""
+        return self.client.info
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest stats of every core, summed (the KV usage averaged)."""
+        total = {f.name: sum(getattr(s, f.name) for s in self.core_stats)
+                 for f in dataclasses.fields(EngineStats)}  # fmt: skip
+        total["kv_cache_usage"] /= len(self.core_stats)
+        return EngineStats(**total)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.client.is_alive
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def on_engine_stats(self, callback: StatsCallback) -> None:
+        """`callback(core_index, snapshot)` for every snapshot a core sends (at a bounded rate:
+        `EngineCoreSpec.snapshot_interval_s`); it runs on the event loop and must be quick."""
+        self._stats_callbacks.append(callback)
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self.client.start(self._on_message, self._on_dead)
+        elif loop is not self._loop:
+            raise RuntimeError("an AsyncLLM serves the one event loop it started on")
+
+    async def run_in_tokenizer_pool(self, fn: Callable, *args):
+        """Runs CPU work a client can make large (tokenizing, templates) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    async def add_requests(
+        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+    ) -> RequestStream:
+        """Sends one engine request per (prompt, params), all to one core in one message.
+
+        Raises ValueError (nothing sent) if a prompt breaks the engine's limits, and
+        EngineDeadError if an engine core has died.
+        """
+        self._start()
+        for prompt, p in zip(prompts, params, strict=True):
+            check_prompt(self.info, prompt, p)
+        if not self.client.is_alive:
+            raise EngineDeadError("an engine core has died; the server cannot take requests")
+        core = self.client.least_loaded()
+        collector = RequestOutputCollector()
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        requests = []
+        for index, (engine_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+            detokenizer = make_detokenizer(self.tokenizer, prompt, p.skip_special_tokens)
+            self.processor.add(
+                RequestState(engine_id, index, collector, detokenizer, p.stop, core.index,
+                             len(prompt), p.max_tokens, p.min_tokens)
+            )  # fmt: skip
+            core.num_requests += 1
+            core.num_tokens += len(prompt) + p.max_tokens
+            requests.append(EngineCoreRequest(engine_id, prompt, p))
+        self.client.send(core, AddRequests(requests))
+        return RequestStream(self, ids, collector)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Forgets requests here and aborts them in their cores (one message per core)."""
+        by_core: dict[int, list[str]] = {}
+        for state in self._release(self.processor.remove(request_ids)):
+            by_core.setdefault(state.core, []).append(state.request_id)
+        for core, ids in by_core.items():
+            self.client.send(self.client.cores[core], AbortRequests(ids))
+
+    async def engine_state(self) -> list[EngineState]:
+        """Every core's state, after it handled everything sent to it before this call."""
+        self._start()
+        return await asyncio.gather(*(self.client.get_state(c) for c in self.client.cores))
+
+    def _release(self, states: list[RequestState]) -> list[RequestState]:
+        for state in states:
+            core = self.client.cores[state.core]
+            core.num_requests -= 1
+            core.num_tokens -= state.num_prompt_tokens + state.max_tokens
+        return states
+
+    def _on_message(self, core: int, message) -> None:
+        if not isinstance(message, StepOutputs):
+            return
+        finished, to_abort = self.processor.process(message)
+        self._release(finished)
+        if to_abort:  # stop strings found here: the core would otherwise go on generating
+            self.client.send(self.client.cores[core], AbortRequests(to_abort))
+        self.core_stats[core] = message.stats
+        if message.snapshot is not None:
+            for callback in self._stats_callbacks:
+                callback(core, message.snapshot)
+
+    def _on_dead(self, core: int, reason: str) -> None:
+        self._release(self.processor.fail_core(core, EngineDeadError(reason)))
 
     def shutdown(self) -> None:
-        self._commands.put(_Shutdown())
-        self._thread.join()
+        self.client.shutdown()
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- the engine thread ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        if self.engine.runner.device.type == "cuda":
-            torch.cuda.set_device(self.engine.runner.device)  # a new thread starts on GPU 0
-        while True:
-            busy = self.engine.has_unfinished_requests()
-            try:
-                command = self._commands.get(block=not busy, timeout=IDLE_POLL_S)
-            except queue.Empty:
-                command = None
-            while command is not None:
-                if isinstance(command, _Shutdown):
-                    return
-                self._handle(command)
-                command = self._commands.get_nowait() if not self._commands.empty() else None
-            if self.engine.has_unfinished_requests():
-                self._step()
-
-    def _handle(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-            self._streams.pop(command.request_id, None)
-            self._publish_stats()
-            return
-        try:
-            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
-        except ValueError as e:
-            command.accepted.set_exception(e)
-            return
-        self._streams[command.request_id] = (command.stream, _Timing(time.perf_counter()))
-        self.metrics.prompt_tokens.inc(len(command.prompt_token_ids))
-        command.accepted.set_result(None)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # a bug or an exhausted device: fail what was running, keep going
-            logger.exception("engine step failed; aborting %d requests", len(self._streams))
-            for request_id, (stream, _) in self._streams.items():
-                self.engine.abort_request(request_id)
-                stream.put(EngineStepError(f"the engine failed: {e}"))
-            self._streams.clear()
-            self._publish_stats()
-            return
-        now = time.perf_counter()
-        self.metrics.record_step(outputs)
-        self._publish_stats()  # before delivery: a client that got its answer sees it counted
-        deliveries: list[tuple[RequestStream, RequestOutput]] = []
-        for out in outputs:
-            entry = self._streams.get(out.request_id)
-            if entry is None:
-                continue
-            stream, timing = entry
-            self._observe(timing, now, out.finished)
-            deliveries.append((stream, out))
-            if out.finished:
-                del self._streams[out.request_id]
-        deliver_all(deliveries)
-
-    def _observe(self, timing: _Timing, now: float, finished: bool) -> None:
-        """One new token for a request (each step adds at most one per request)."""
-        m = self.metrics
-        m.generation_tokens.inc()
-        if timing.last_token is None:
-            m.time_to_first_token.observe(now - timing.arrival)
-        else:
-            m.inter_token_latency.observe(now - timing.last_token)
-        timing.last_token = now
-        if finished:
-            m.e2e_request_latency.observe(now - timing.arrival)
-
-    def _publish_stats(self) -> None:
-        engine, bm = self.engine, self.engine.block_manager
-        self.stats = EngineStats(
-            num_running=len(engine.scheduler.running),
-            # swapped-out requests (phase 5) wait too, with their KV blocks on the CPU
-            num_waiting=len(engine.scheduler.waiting) + len(engine.scheduler.swapped),
-            kv_cache_usage=bm.num_used_blocks / len(bm.blocks),
-            prefix_cache_queries=bm.num_queried_tokens,
-            prefix_cache_hits=bm.num_hit_tokens,
-            num_preemptions=engine.num_preemptions,
+def check_prompt(info: CoreInfo, prompt: list[int], params: SamplingParams) -> None:
+    """The engine's own admission checks, made before the request leaves the front end."""
+    if not prompt:
+        raise ValueError("the prompt must contain at least one token")
+    params.check_token_ids(info.vocab_size)
+    if min(prompt) < 0 or max(prompt) >= info.vocab_size:
+        raise ValueError(f"prompt token ids must be ints in [0, {info.vocab_size})")
+    max_len = len(prompt) + params.max_tokens
+    if max_len > info.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"model's context ({info.max_position_embeddings})"
+        )
+    if max_len > info.num_kv_slots:
+        raise ValueError(
+            f"prompt + max_tokens ({max_len}) can never fit in the KV cache "
+            f"({info.num_kv_slots} slots)"
+        )
+    if not info.enable_chunked_prefill and max_len > info.max_num_batched_tokens:
+        raise ValueError(
+            f"without chunked prefill, prompt + max_tokens ({max_len}) must fit in one step's "
+            f"token budget (max_num_batched_tokens={info.max_num_batched_tokens})"
         )

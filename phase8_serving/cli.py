@@ -1,8 +1,13 @@
-"""The `mini-vllm` command: `serve`, `generate`, `chat`, `bench` (flags named as vLLM names them).
+"""The `mini-vllm` command: `serve`, `engine-core`, `generate`, `chat`, `bench` (flags named as vLLM
+names them).
 
-- `mini-vllm serve [MODEL]`: the OpenAI-compatible server (no MODEL: the embedded SmolLM2); on
-  SIGTERM or Ctrl-C it stops accepting connections, lets in-flight requests run for at most
-  `--shutdown-timeout` seconds (vLLM's flag; 0, the default, aborts them at once), then exits;
+- `mini-vllm serve [MODEL]`: the OpenAI-compatible server (no MODEL: the embedded SmolLM2): a
+  front end process and `--data-parallel-size` engine core processes it spawns, or, with
+  `--engine-core-address`, engine cores started elsewhere; on SIGTERM or Ctrl-C it stops
+  accepting connections, lets in-flight requests run for at most `--shutdown-timeout` seconds
+  (vLLM's flag; 0, the default, aborts them at once), then exits;
+- `mini-vllm engine-core [MODEL] --address tcp://HOST:PORT`: one engine core on its own, for a
+  front end on this machine or another to connect to;
 - `mini-vllm generate PROMPT...`: offline completions, printed;
 - `mini-vllm chat`: an interactive conversation in the terminal, the reply streamed as it is
   generated (offline: no server involved);
@@ -29,8 +34,10 @@ from collections.abc import Callable, Iterator
 
 from .bench import add_bench_parser, run_bench
 from .config import EngineConfig
-from .default_model import MODEL_NAME
+from .default_model import MODEL_NAME, default_model_dir
 from .engine import LLM, LLMEngine, Message
+from .engine_core import CoreInfo, EngineCoreSpec
+from .loader import resolve_model_dir
 from .sampling import SamplingParams
 from .streaming import DeltaTracker
 
@@ -105,8 +112,29 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--shutdown-timeout", type=seconds, default=0.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted "
                    "(default 0: abort at once)")  # fmt: skip
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine cores behind this front end, each on its own GPU(s)")  # fmt: skip
+    p.add_argument("--engine-core-address", nargs="+", default=None, metavar="ADDRESS",
+                   help="connect to engine cores started with `mini-vllm engine-core` instead of "
+                        "spawning them (tcp://HOST:PORT or ipc://PATH)")  # fmt: skip
+    # None: ServerConfig's defaults (api_server.py, imported only when serving)
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies are answered 413 (default 16 MiB)")  # fmt: skip
+    p.add_argument("--max-choices-per-request", type=int, default=None,
+                   help="prompts x n in one request; more is a 400 (default 256)")  # fmt: skip
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="a log line per request, and uvicorn's access log")  # fmt: skip
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log even with --enable-log-requests (vLLM's flag)")  # fmt: skip
     add_engine_args(p)
     p.set_defaults(handler=serve)
+
+
+def core_spec(args: argparse.Namespace) -> EngineCoreSpec:
+    """The engine core's recipe from the flags; a bad flag or model path fails here, at once."""
+    config = EngineConfig(**engine_kwargs(args))
+    model_dir = resolve_model_dir(default_model_dir() if args.model is None else args.model)
+    return EngineCoreSpec(str(model_dir), args.dtype, args.device, config)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -115,21 +143,33 @@ def serve(args: argparse.Namespace) -> None:
     from .api_server import ServerConfig, build_app
     from .async_engine import AsyncLLM
 
-    llm = load_llm(args)
-    engine = llm.engine
     name = args.served_model_name or args.model or MODEL_NAME
-    config = ServerConfig(name, resolve_max_model_len(engine, args.max_model_len), args.api_key)
-    async_llm = AsyncLLM(engine, name)
-    app = build_app(async_llm, config)
-    logging.getLogger(__name__).info("serving %s on http://%s:%d", name, args.host, args.port)
-    # uvicorn re-raises the SIGTERM it handled once it has shut down; exiting through Python
-    # (not by the signal's default action) runs the cleanup below
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    spec = core_spec(args)
+    if args.engine_core_address:
+        llm = AsyncLLM.connect(spec.model, args.engine_core_address, name)
+    else:
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        llm = AsyncLLM.spawn(spec, name, args.data_parallel_size)
     try:
+        limits = {
+            name: value
+            for name in ("max_request_body_bytes", "max_choices_per_request")
+            if (value := getattr(args, name)) is not None
+        }
+        config = ServerConfig(
+            name, resolve_max_model_len(llm.info, args.max_model_len), args.api_key,
+            enable_log_requests=args.enable_log_requests, **limits,
+        )  # fmt: skip
+        log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
+        app = build_app(llm, config)
+        logging.getLogger(__name__).info("serving %s on http://%s:%d", name, args.host, args.port)
+        # uvicorn re-raises the SIGTERM it handled once it has shut down; exiting through Python
+        # (not by the signal's default action) runs the cleanup below
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
         uvicorn.Server(uvicorn_config(app, args)).run()
     finally:
-        async_llm.shutdown()
-        llm.shutdown()  # stops the tensor-parallel workers, if any
+        llm.shutdown()  # stops the engine cores (and their tensor-parallel workers)
 
 
 def uvicorn_config(app, args: argparse.Namespace):
@@ -141,8 +181,11 @@ def uvicorn_config(app, args: argparse.Namespace):
     """
     import uvicorn
 
+    access_log = args.enable_log_requests and not args.disable_uvicorn_access_log
+    # loop/http "auto": uvloop and httptools where installed, asyncio and h11 otherwise
     return uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info",
+        app, host=args.host, port=args.port, log_level="info", access_log=access_log,
+        loop="auto", http="auto",
         timeout_graceful_shutdown=max(args.shutdown_timeout, SHUTDOWN_TICK_S),
     )  # fmt: skip
 
@@ -159,9 +202,18 @@ def seconds(text: str) -> float:
     return value
 
 
-def resolve_max_model_len(engine: LLMEngine, requested: int | None) -> int:
+def log_kv_capacity(info: CoreInfo, num_cores: int, max_model_len: int) -> None:
+    """The KV cache's size in tokens and what it means at the longest request (as vLLM logs)."""
+    logging.getLogger(__name__).info(
+        "KV cache: %d tokens per engine core x %d core(s); maximum concurrency at %d tokens "
+        "per request: %.1fx", info.num_kv_slots, num_cores, max_model_len,
+        num_cores * info.num_kv_slots / max_model_len,
+    )  # fmt: skip
+
+
+def resolve_max_model_len(info: CoreInfo, requested: int | None) -> int:
     """The model's context, or less when asked; never more than the KV cache can ever hold."""
-    limit = min(engine.model.config.max_position_embeddings, engine.kv_cache_config.num_tokens)
+    limit = min(info.max_position_embeddings, info.num_kv_slots)
     if requested is None:
         return limit
     if not 2 <= requested <= limit:
@@ -170,6 +222,25 @@ def resolve_max_model_len(engine: LLMEngine, requested: int | None) -> int:
             f"got {requested}"
         )
     return requested
+
+
+def add_engine_core_parser(subparsers) -> None:
+    p = subparsers.add_parser("engine-core", help="run one engine core for a remote front end")
+    p.add_argument(
+        "model", nargs="?", default=None, help="HF directory or hub id (default: SmolLM2)"
+    )
+    p.add_argument("--address", required=True,
+                   help="where to listen: tcp://HOST:PORT (or ipc://PATH)")  # fmt: skip
+    add_engine_args(p)
+    p.set_defaults(handler=engine_core)
+
+
+def engine_core(args: argparse.Namespace) -> None:
+    from .engine_core import run_engine_core
+
+    spec = core_spec(args)
+    logging.getLogger(__name__).info("engine core for %s listening on %s", spec.model, args.address)
+    run_engine_core(spec, args.address)
 
 
 # -- generate ------------------------------------------------------------------------------
@@ -285,7 +356,9 @@ def bench(args: argparse.Namespace) -> None:
 # -- entry point ---------------------------------------------------------------------------
 
 # Each adds its subparser and sets `handler`.
-SUBCOMMANDS = (add_serve_parser, add_generate_parser, add_chat_parser, add_bench)
+SUBCOMMANDS = (
+    add_serve_parser, add_engine_core_parser, add_generate_parser, add_chat_parser, add_bench,
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,12 +36,12 @@ when the engine starts, from the device's memory (kv_cache_config.py), and its c
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
 for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
 requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). (`abort_request` frees
-a request's blocks at once; the server calls it when a client goes away.) Each request keeps a
-`RequestTiming` (arrival, first scheduled, first token, finished), and its finished output carries
-it, for the request-level metrics. `min_tokens` (vLLM's rule): before that many tokens, EOS and
-stop tokens cannot be sampled (model_runner.py) nor end the request, and a stop string counts only
-if it ends in text of a later token. Token ids a request names (stop tokens, logit bias) must be in
-the vocabulary, or `add_request` refuses it.
+a request's blocks at once; the server calls it when a client goes away.) The server's engine core
+process (engine_core.py) asks for `DELTA_TOKEN_IDS`: each step's new token ids and no text at all,
+because its front end detokenizes and finds stop strings in another process. `min_tokens` (vLLM's
+rule): before that many tokens, EOS and stop tokens cannot be sampled (model_runner.py) nor end
+the request, and a stop string counts only if it ends in text of a later token. Token ids a
+request names (stop tokens, logit bias) must be in the vocabulary, or `add_request` refuses it.
 """
 
 import atexit
@@ -84,29 +84,24 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestTiming:
-    """When a request reached each stage, in `time.monotonic()` seconds (one clock for every
-    process of a host). Finished requests have every time set."""
-
-    arrival_time: float  # add_request
-    first_scheduled_time: float | None = None  # the first step that ran it
-    first_token_time: float | None = None
-    finished_time: float | None = None  # its last token
-
-
-@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestTiming | None = None  # on the finished output only (vLLM's name)
 
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # an output every step the request gets a token (streaming)
     FINAL_ONLY = "final_only"  # one output, when the request finishes (offline generate)
+    # each step's new token ids (and logprobs), no text: the engine core's (its front end
+    # detokenizes and searches the stop strings, and aborts the request when it finds one)
+    DELTA_TOKEN_IDS = "delta_token_ids"
+
+    @property
+    def has_text(self) -> bool:
+        return self is not RequestOutputKind.DELTA_TOKEN_IDS
 
 
 @dataclass
@@ -115,7 +110,6 @@ class Request:
     prompt: str | None  # the text the caller gave, if it gave text
     detokenizer: IncrementalDetokenizer  # its output_text is the text of the tokens fed so far
     output_kind: RequestOutputKind
-    timing: RequestTiming
     num_detokenized: int = 0  # output tokens fed to the detokenizer
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token
 
@@ -179,7 +173,6 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_optional("request_id", request_id, str)
-        arrival_time = time.monotonic()
         params.check_token_ids(self.model.config.vocab_size)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
@@ -205,8 +198,7 @@ class LLMEngine:
         seq = Sequence(seq_id, request_id, prompt_ids, params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None,
-                                            detokenizer, output_kind,
-                                            RequestTiming(arrival_time))  # fmt: skip
+                                            detokenizer, output_kind)  # fmt: skip
         self.scheduler.add(seq)
         return request_id
 
@@ -241,11 +233,6 @@ class LLMEngine:
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        scheduled_at = time.monotonic()
-        for seq in out.admitted:  # admitted again after a preemption: the first time stays
-            timing = self.requests[seq.request_id].timing
-            if timing.first_scheduled_time is None:
-                timing.first_scheduled_time = scheduled_at
         try:
             return self._run(out, start)
         except BaseException:
@@ -258,7 +245,6 @@ class LLMEngine:
         # A step may run nothing (every running sequence was preempted); the trace still records
         # it.
         samples = self.runner.run(out.scheduled) if out.scheduled else []
-        now = time.monotonic()
         self.num_preemptions += len(out.preempted)
         updated, finished = [], []
         for (seq, num_new), sample in zip(out.scheduled, samples, strict=True):
@@ -270,17 +256,15 @@ class LLMEngine:
             seq.token_ids.append(token)
             if sample.logprobs is not None:
                 self.requests[seq.request_id].logprobs.append(sample.logprobs)
-            if seq.num_output_tokens == 1:
-                self.requests[seq.request_id].timing.first_token_time = now
             updated.append(seq)
             reason = self._finish_reason(seq, token)
             # a stop token's own text is never shown; only stop strings need the text each step
-            if reason is not FinishReason.STOP and seq.params.stop:
+            kind = self.requests[seq.request_id].output_kind
+            if reason is not FinishReason.STOP and seq.params.stop and kind.has_text:
                 reason = self._detokenize(seq) or reason  # the last token has text too
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.runner.release(seq)
-                self.requests[seq.request_id].timing.finished_time = now
                 finished.append(seq)
         if self.trace is not None:
             self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
@@ -288,7 +272,7 @@ class LLMEngine:
             self._output(seq)
             for seq in updated
             if seq.is_finished
-            or self.requests[seq.request_id].output_kind is RequestOutputKind.CUMULATIVE
+            or self.requests[seq.request_id].output_kind is not RequestOutputKind.FINAL_ONLY
         ]
         for seq in finished:
             del self.requests[seq.request_id]  # delivered: the engine forgets it
@@ -330,6 +314,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
+        if not request.output_kind.has_text:
+            return self._token_ids_output(seq, request)
         # every token has text but a stop token (a stop string's request is already caught up)
         stopped = seq.finish_reason is FinishReason.STOP
         self._catch_up_text(request, seq.num_output_tokens - stopped)
@@ -342,9 +328,15 @@ class LLMEngine:
         logprobs = list(request.logprobs) if seq.params.logprobs is not None else None
         completion = CompletionOutput(0, text, seq.output_token_ids, reason, logprobs)
         return RequestOutput(
-            seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-            request.timing if seq.is_finished else None,
-        )  # fmt: skip
+            seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished
+        )
+
+    def _token_ids_output(self, seq: Sequence, request: Request) -> RequestOutput:
+        """The token this step added and its logprobs; no text, no prompt (the caller has it)."""
+        reason = seq.finish_reason.value if seq.finish_reason else None
+        logprobs = request.logprobs[-1:] if seq.params.logprobs is not None else None
+        completion = CompletionOutput(0, "", seq.token_ids[-1:], reason, logprobs)
+        return RequestOutput(seq.request_id, None, [], [completion], seq.is_finished)
 
 
 def stop_hold_back(params: SamplingParams) -> int:

@@ -4,8 +4,9 @@ Problem: a server runs unattended; its operators need to see load (running and w
 KV cache usage), efficiency (prefix-cache hits, preemptions) and latency as users feel it (time to
 first token, inter-token latency, end-to-end latency), without attaching a debugger.
 Idea: `prometheus_client` metrics in a registry owned by one server (no process-global state).
-Latencies and token counts are observed by the engine thread as outputs appear; the rest is read
-from the engine's latest `EngineStats` snapshot when Prometheus scrapes. Names are vLLM's
+Latencies and token counts are observed by the front end's output processor as outputs arrive from
+the engine core; the rest is read from the latest `EngineStats` each core sent with its step,
+summed over the cores, when Prometheus scrapes. Names are vLLM's
 (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...), so dashboards built for
 vLLM read this server unchanged.
 
@@ -17,15 +18,13 @@ whole prompt of each request whose first token came in that step, plus one per n
 request's life that sums to its usage (prompt + completion tokens).
 """
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from .config import EngineConfig
-from .engine import RequestOutput, RequestTiming
 
 # Histogram buckets in seconds: vLLM's, from sub-millisecond GPU steps to minute-long CPU replies.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -66,34 +65,37 @@ class FinishedRequestStats:
 
 
 def finished_request_stats(
-    timing: RequestTiming, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int
+    timing: "RequestTiming", finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int
 ) -> FinishedRequestStats:
-    """A finished request's intervals, as vLLM defines them, from its timestamps."""
+    """A finished request's intervals, as vLLM defines them, from the engine core's timestamps
+    (one clock: intervals inside the core never mix in the front end's)."""
     return FinishedRequestStats(
         finish_reason=finish_reason,
         num_prompt_tokens=num_prompt_tokens,
         num_generation_tokens=num_generation_tokens,
-        queue_time=timing.first_scheduled_time - timing.arrival_time,
-        prefill_time=timing.first_token_time - timing.first_scheduled_time,
-        decode_time=timing.finished_time - timing.first_token_time,
-        inference_time=timing.finished_time - timing.first_scheduled_time,
+        queue_time=timing.scheduled - timing.core_arrival,
+        prefill_time=timing.first_token - timing.scheduled,
+        decode_time=timing.finished - timing.first_token,
+        inference_time=timing.finished - timing.scheduled,
     )
 
 
-def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
+def cache_config_info(
+    block_size: int, num_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool
+) -> dict[str, str]:
     """The labels of `vllm:cache_config_info` (vLLM's names for our cache settings);
     `num_blocks` is the device pool as sized at start-up (kv_cache_config.py)."""
     return {
-        "block_size": str(config.block_size),
+        "block_size": str(block_size),
         "num_gpu_blocks": str(num_blocks),  # the device pool, whatever the device
-        "num_cpu_blocks": str(config.num_cpu_kv_blocks),
-        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "num_cpu_blocks": str(num_cpu_blocks),
+        "enable_prefix_caching": str(enable_prefix_caching),
     }
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's state after a step, published whole by the engine thread."""
+    """An engine's state after a step, sent whole by its engine core process."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -101,6 +103,19 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_preemptions: int = 0
+
+
+@dataclass
+class RequestTiming:
+    """One request's moments. `arrival` and `last_token` are the front end's clock (what users
+    feel); the others the engine core's, sent with its outputs (intervals within the core)."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    last_token: float | None = None  # when the front end received the latest token
+    core_arrival: float | None = None  # the core received the request
+    scheduled: float | None = None  # a step first ran it
+    first_token: float | None = None  # the step that produced its first token ended
+    finished: float | None = None  # the step that finished it ended
 
 
 class _StatsCollector(Collector):
@@ -211,21 +226,17 @@ class EngineMetrics:
         times["inference"].observe(stats.inference_time)
         self.request_success[stats.finish_reason].inc()
 
-    def record_step(self, outputs: Sequence[RequestOutput]) -> None:
-        """One engine step's outputs (one new token each): iteration tokens, finished requests."""
-        if not outputs:
-            return
-        num_tokens = 0
-        for out in outputs:
-            completion = out.outputs[0]
-            first = len(completion.token_ids) == 1
-            num_tokens += 1 + (len(out.prompt_token_ids) if first else 0)
-            if out.metrics is not None:
-                self.record_finished(finished_request_stats(
-                    out.metrics, completion.finish_reason, len(out.prompt_token_ids),
-                    len(completion.token_ids),
-                ))  # fmt: skip
+    def observe_step(self, num_tokens: int) -> None:
+        """One engine step's tokens, counted vLLM's way (see the module docstring)."""
         self.iteration_tokens.observe(num_tokens)
+
+    def observe_finished(self, timing: "RequestTiming", now: float, finish_reason: str,
+                         num_prompt_tokens: int, num_output_tokens: int) -> None:  # fmt: skip
+        """A request ended normally (not aborted, not failed)."""
+        self.e2e_request_latency.observe(now - timing.arrival)
+        self.record_finished(
+            finished_request_stats(timing, finish_reason, num_prompt_tokens, num_output_tokens)
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -33,10 +33,14 @@ from .sampling import (
 )
 
 MAX_N = 16  # completions per prompt one request may ask for
+# Stop strings per request: every step searches each of them in every running request's new text
+# (in the front end, on the event loop), so thousands would slow everyone's stream.
+MAX_STOP_STRINGS = 64
 MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n uses seed + i, which must fit torch's 64-bit seed
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+StopList = Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)]
 # logit_bias keys are token ids spelled in decimal (JSON keys are strings); 10 digits at most, so
 # parsing stays cheap and the engine's vocabulary check says the rest
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -96,7 +100,7 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off, as in vLLM
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop: NonEmptyStr | StopList | None = None
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)

@@ -1,12 +1,12 @@
 """Responses: the OpenAI API's JSON for completions and chat, whole or as streaming chunks.
 
-Problem: the engine speaks token ids, `RequestOutput`s and `TokenLogprobs`; the `openai` client
-parses a precise JSON shape that differs between the two endpoints (`text` vs `message` or
-`delta`; legacy `logprobs` lists vs chat's `logprobs.content`), and again between a whole
-response and a streamed chunk.
-Idea: `ChoiceStream` follows one choice of a response: it reads the engine's outputs, turns them
-into deltas (streaming.py: nothing is shown that a stop string later removes) and keeps the
-totals. The functions below only shape JSON from those deltas and totals.
+Problem: the engine speaks token ids, deltas and `TokenLogprobs`; the `openai` client parses a
+precise JSON shape that differs between the two endpoints (`text` vs `message` or `delta`; legacy
+`logprobs` lists vs chat's `logprobs.content`), and again between a whole response and a streamed
+chunk.
+Idea: `ChoiceStream` follows one choice of a response: it adds up the deltas the front end made
+(output_processor.py: nothing is in them that a stop string later removes) into the totals. The
+functions below only shape JSON from those deltas and totals.
 
 Logprobs, as OpenAI returns them: the sampled token is always among a position's top logprobs.
 Completions list the top `logprobs` tokens plus the sampled one when it is not among them (up to
@@ -18,23 +18,19 @@ string is held back, gives the same offsets as the whole response.
 """
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
-from .async_engine import RequestStream
 from .sampling import TokenLogprobs
-from .streaming import DeltaTracker, OutputDelta
+from .streaming import OutputDelta
 from .tokenizer import Tokenizer
 
 
 class ChoiceStream:
     """One choice (one engine request) of a response, and everything it has produced so far."""
 
-    def __init__(self, index: int, stream: RequestStream, tokenizer: Tokenizer, stops):
+    def __init__(self, index: int, tokenizer: Tokenizer):
         self.index = index
-        self.stream = stream
         self.tokenizer = tokenizer
-        self.tracker = DeltaTracker(() if stops is None else [stops] if isinstance(stops, str)
-                                    else stops)  # fmt: skip
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = None
@@ -42,25 +38,18 @@ class ChoiceStream:
         self.num_token_chars = 0  # characters of the tokens with logprobs so far
         self.finish_reason: str | None = None
 
-    async def deltas(self) -> AsyncIterator[OutputDelta]:
-        """The deltas worth sending (new text, new logprobs, or the finish reason)."""
-        async for out in self.stream:
-            delta = self.tracker.update(out.outputs[0], out.finished)
-            self.text += delta.text
-            self.token_ids += delta.token_ids
-            if delta.logprobs is not None:
-                self.logprobs = (self.logprobs or []) + delta.logprobs
-                for lp in delta.logprobs:
-                    self.text_offsets.append(self.num_token_chars)
-                    self.num_token_chars += len(self.token_text(lp.token_id))
-            self.finish_reason = delta.finish_reason
-            if delta.text or delta.logprobs or delta.finish_reason:
-                yield delta
-
-    async def run(self) -> None:
-        """Reads the choice to its end (non-streaming responses)."""
-        async for _ in self.deltas():
-            pass
+    def add(self, delta: OutputDelta) -> bool:
+        """Adds a delta to the totals; True if it is worth sending (new text, new logprobs, or
+        the finish reason)."""
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+            for lp in delta.logprobs:
+                self.text_offsets.append(self.num_token_chars)
+                self.num_token_chars += len(self.token_text(lp.token_id))
+        self.finish_reason = delta.finish_reason
+        return bool(delta.text or delta.logprobs or delta.finish_reason)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -1,13 +1,17 @@
 """Phase 8 fixtures: a tiny byte-level checkpoint and a live server on a free local port.
 
-The server tests talk HTTP to a real uvicorn server (in a thread of the test process), so
-streaming, disconnects and the `openai` client behave as in production. The checkpoint is a
+The server tests talk HTTP to a real uvicorn server (on an event loop in a thread of the test
+process) in front of a real engine core process (spawned, as `mini-vllm serve` spawns it; one for
+the whole session, since starting one costs seconds), so streaming, disconnects and the `openai`
+client behave as in production. The checkpoint is a
 random 1-layer Qwen3 with a byte-level tokenizer of 256 byte tokens plus ChatML's specials: a
 vocabulary of 259 keeps sampling and the LM head nearly free on CPU, so hundreds of requests take
 seconds. Byte tokens also split every non-ASCII character across tokens, which is what the
 streaming tests need.
 """
 
+import asyncio
+import concurrent.futures
 import json
 import socket
 import threading
@@ -19,10 +23,12 @@ import pytest
 import torch
 import uvicorn
 
-from phase8_serving import LLM
 from phase8_serving.api_server import ServerConfig, build_app
 from phase8_serving.async_engine import AsyncLLM
-from phase8_serving.engine import LLMEngine
+from phase8_serving.config import EngineConfig
+from phase8_serving.engine_core import EngineCoreSpec, EngineState
+
+from .engine_cores import make_test_llm
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 CHATML = (
@@ -78,48 +84,83 @@ def tiny_dir(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-byte-qwen3"))
 
 
+class ServerHost:
+    """One event loop in a thread, serving any number of uvicorn servers: an `AsyncLLM` lives on
+    one loop, so every server (and every test coroutine) that uses it must run on that loop."""
+
+    def __init__(self):
+        try:
+            import uvloop  # what `mini-vllm serve` runs on, where installed
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers: list[tuple[uvicorn.Server, concurrent.futures.Future]] = []
+
+    def serve(self, app) -> str:
+        """Starts a server for `app` on a free local port; returns its base URL."""
+        sock = socket.create_server(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        done = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
+        self.servers.append((server, done))
+        while not server.started:
+            assert not done.done(), done.result()
+            time.sleep(0.01)
+        host, port = sock.getsockname()
+        return f"http://{host}:{port}"
+
+    def run(self, coroutine, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        for server, done in self.servers:
+            server.should_exit = True
+            done.result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
 @dataclass
 class LiveServer:
     base_url: str  # http://127.0.0.1:PORT
     llm: AsyncLLM
     config: ServerConfig
+    host: ServerHost
 
-    @property
-    def engine(self) -> LLMEngine:
-        return self.llm.engine
+    def engine_state(self) -> EngineState:
+        (state,) = self.host.run(self.llm.engine_state())
+        return state
 
     def wait_until_idle(self, timeout: float) -> float:
         """Seconds until the engine holds no request and every KV block is free (or fails)."""
         start = time.perf_counter()
-        bm = self.engine.block_manager
         while time.perf_counter() - start < timeout:
-            if bm.num_free_blocks == len(bm.blocks) and not self.engine.requests:
+            state = self.engine_state()
+            idle = state.num_requests == 0 and state.num_free_blocks == state.num_blocks
+            if idle and not self.llm.processor.states:
                 return time.perf_counter() - start
             time.sleep(0.01)
         raise AssertionError(
-            f"after {timeout} s: {len(bm.blocks) - bm.num_free_blocks} KV blocks still used, "
-            f"requests {list(self.engine.requests)}"
+            f"after {timeout} s: {state}; front end still follows {list(self.llm.processor.states)}"
         )
 
 
-def start_server(app, sock: socket.socket) -> tuple[uvicorn.Server, threading.Thread]:
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, thread
+def tiny_core_spec(model_dir: Path, **engine) -> EngineCoreSpec:
+    """The tests' engine core: float32 on the CPU, one thread, `engine_cores.make_test_llm`."""
+    config = EngineConfig(**{**ENGINE, **engine})
+    return EngineCoreSpec(str(model_dir), "float32", "cpu", config, make_llm=make_test_llm,
+                          num_threads=1)  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def live_server(tiny_dir):
-    engine = LLM(tiny_dir, dtype="float32", device="cpu", **ENGINE).engine
-    llm = AsyncLLM(engine, MODEL_NAME)
+    llm = AsyncLLM.spawn(tiny_core_spec(tiny_dir), MODEL_NAME)
     config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN)
-    sock = socket.create_server(("127.0.0.1", 0))
-    server, thread = start_server(build_app(llm, config), sock)
-    host, port = sock.getsockname()
-    yield LiveServer(f"http://{host}:{port}", llm, config)
-    server.should_exit = True
-    thread.join()
-    llm.shutdown()
+    host = ServerHost()
+    try:
+        yield LiveServer(host.serve(build_app(llm, config)), llm, config, host)
+    finally:
+        host.close()
+        llm.shutdown()

@@ -15,6 +15,7 @@ import pytest
 from phase8_serving import LLM, SamplingParams
 from phase8_serving.cli import build_parser, chat, engine_kwargs, main, resolve_max_model_len
 from phase8_serving.config import EngineConfig, PreemptionMode
+from phase8_serving.engine_core import core_info
 
 SERVE_STARTUP_S = 120  # import + load on a busy 2-core machine
 
@@ -97,10 +98,11 @@ def test_chat_streams_the_reply_and_keeps_the_history(tiny_dir, capsys):
 
 def test_max_model_len_is_bounded_by_context_and_kv_cache(tiny_dir):
     engine = LLM(tiny_dir, dtype="float32", device="cpu", num_kv_blocks=4, block_size=8).engine
-    assert resolve_max_model_len(engine, None) == 32  # 4 blocks of 8 < the 128-token context
-    assert resolve_max_model_len(engine, 16) == 16
+    info = core_info(engine)
+    assert resolve_max_model_len(info, None) == 32  # 4 blocks of 8 < the 128-token context
+    assert resolve_max_model_len(info, 16) == 16
     with pytest.raises(ValueError, match="max-model-len"):
-        resolve_max_model_len(engine, 33)
+        resolve_max_model_len(info, 33)
 
 
 def test_serve_subcommand_answers_the_openai_client(tiny_dir):
@@ -132,5 +134,7 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
         server.terminate()
         server.wait(timeout=30)
     log = server.stderr.read().decode()  # vLLM's start-up lines: 24 blocks of 16, context 128
-    assert "CPU KV cache size: 384 tokens" in log
+    assert "CPU KV cache size: 384 tokens" in log  # the engine core's own line
     assert "Maximum concurrency for 128 tokens per request: 3.00x" in log
+    assert "POST /v1/chat/completions" not in log  # no access log without --enable-log-requests
+    assert "KV cache:" in log  # the front end's line: tokens per core, cores

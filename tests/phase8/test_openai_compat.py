@@ -19,8 +19,7 @@ import httpx
 import openai
 import pytest
 
-from phase8_serving.engine import RequestTiming
-from phase8_serving.metrics import build_1_2_5_buckets, finished_request_stats
+from phase8_serving.metrics import RequestTiming, build_1_2_5_buckets, finished_request_stats
 
 from .conftest import ENGINE, MODEL_NAME
 
@@ -338,8 +337,9 @@ def test_request_level_metrics_match_the_usage(http, eos_id):
 
 
 def test_finished_request_stats_are_vllms_intervals():
-    timing = RequestTiming(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.25,
-                           finished_time=13.0)  # fmt: skip
+    # the engine core's clock (the front end's `arrival` is another process's)
+    timing = RequestTiming(arrival=0.0, core_arrival=10.0, scheduled=10.5, first_token=11.25,
+                           finished=13.0)  # fmt: skip
     stats = finished_request_stats(timing, "stop", num_prompt_tokens=7, num_generation_tokens=4)
     assert (stats.queue_time, stats.prefill_time, stats.decode_time, stats.inference_time) == (
         0.5, 0.75, 1.75, 2.5,

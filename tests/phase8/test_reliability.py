@@ -7,7 +7,6 @@ every KV block is free again (`wait_until_idle`).
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
@@ -19,12 +18,15 @@ from schemathesis import GenerationMode
 
 from phase8_serving.api_server import ServerConfig, build_app
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, start_server
+from .conftest import MAX_MODEL_LEN, MODEL_NAME
+from .engine_cores import FAULT_MARK, SLOW_MARK
 
 NUM_CONCURRENT_CLIENTS = 64
 SCHEMATHESIS_MIN_REQUESTS = 1000
-SLOW_STEP_S = 0.03  # an artificial step time, so a long request cannot finish before the abort
 LONG_MAX_TOKENS = 40  # at SLOW_STEP_S per token: 1.2 s, longer than the 1 s abort deadline
+# a request whose every step is SLOW_STEP_S longer (engine_cores.py), so it cannot finish before
+# the abort
+LONG = {"prompt": [*SLOW_MARK, *b"long"], "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
 
 BAD_BODIES = {
     "wrong type": ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
@@ -121,23 +123,14 @@ def test_openai_client_raises_typed_errors(live_server):
 
 def test_api_key(live_server):
     config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, api_key="sekret")
-    sock = socket.create_server(("127.0.0.1", 0))
-    server, thread = start_server(build_app(live_server.llm, config), sock)
-    host, port = sock.getsockname()
-    url = f"http://{host}:{port}"
-    try:
-        body = {"prompt": "hi", "max_tokens": 2}
-        assert_openai_error(httpx.post(url + "/v1/completions", json=body), 401, None)
-        wrong = {"authorization": "Bearer wrong"}
-        assert_openai_error(
-            httpx.post(url + "/v1/completions", json=body, headers=wrong), 401, None
-        )
-        assert httpx.get(url + "/health").status_code == 200  # open without the key
-        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
-        assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
-    finally:
-        server.should_exit = True
-        thread.join()
+    url = live_server.host.serve(build_app(live_server.llm, config))
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert_openai_error(httpx.post(url + "/v1/completions", json=body), 401, None)
+    wrong = {"authorization": "Bearer wrong"}
+    assert_openai_error(httpx.post(url + "/v1/completions", json=body, headers=wrong), 401, None)
+    assert httpx.get(url + "/health").status_code == 200  # open without the key
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+    assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
 
 
 async def _stream_one(client: httpx.AsyncClient, i: int) -> tuple[str, str | None, bool]:
@@ -178,16 +171,7 @@ def test_64_concurrent_streaming_clients_all_complete(live_server):
 
 
 @pytest.fixture
-def slow_engine(live_server, monkeypatch):
-    """Every engine step takes at least SLOW_STEP_S longer (the runner sleeps first)."""
-    runner = live_server.engine.runner
-    run = runner.run
-
-    def slow_run(scheduled):
-        time.sleep(SLOW_STEP_S)
-        return run(scheduled)
-
-    monkeypatch.setattr(runner, "run", slow_run)
+def slow_engine(live_server):
     yield live_server
     live_server.wait_until_idle(timeout=5.0)
 
@@ -197,13 +181,14 @@ def generated_tokens(live_server) -> float:
 
 
 def test_client_that_disconnects_mid_stream_frees_its_blocks(slow_engine):
-    body = {"prompt": "long", "max_tokens": LONG_MAX_TOKENS, "stream": True, "ignore_eos": True}
+    body = {**LONG, "stream": True}
     before = generated_tokens(slow_engine)
     with httpx.Client(base_url=slow_engine.base_url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-            assert slow_engine.engine.block_manager.num_used_blocks > 0
+            state = slow_engine.engine_state()
+            assert state.num_free_blocks < state.num_blocks
         # leaving both blocks closes the connection mid-stream
     hung_up = time.perf_counter()
     slow_engine.wait_until_idle(timeout=1.0)
@@ -211,28 +196,18 @@ def test_client_that_disconnects_mid_stream_frees_its_blocks(slow_engine):
     assert generated_tokens(slow_engine) - before < LONG_MAX_TOKENS  # aborted, not finished
 
 
-def test_non_streaming_client_that_gives_up_frees_its_blocks(slow_engine):
-    body = {"prompt": "long", "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
+def test_non_streaming_client_that_gives_up_frees_its_blocks(slow_engine, caplog):
     before = generated_tokens(slow_engine)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(slow_engine.base_url + "/v1/completions", json=body, timeout=0.3)
+        httpx.post(slow_engine.base_url + "/v1/completions", json=LONG, timeout=0.3)
     slow_engine.wait_until_idle(timeout=1.0)
     assert generated_tokens(slow_engine) - before < LONG_MAX_TOKENS
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(live_server, monkeypatch):
-    runner = live_server.engine.runner
-    run = runner.run
-    failures = iter([True])
-
-    def failing_once(scheduled):
-        if next(failures, False):
-            raise RuntimeError("injected fault")
-        return run(scheduled)
-
-    monkeypatch.setattr(runner, "run", failing_once)
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(live_server):
     with httpx.Client(base_url=live_server.base_url, timeout=30) as http:
-        response = http.post("/v1/completions", json={"prompt": "boom", "max_tokens": 4})
+        body = {"prompt": [*FAULT_MARK, *b"boom"], "max_tokens": 4}
+        response = http.post("/v1/completions", json=body)
         assert_openai_error(response, 500, None)  # a server fault, not the client's
         assert "injected fault" in response.json()["error"]["message"]
         assert_still_serving(http)
@@ -267,7 +242,7 @@ def test_disconnect_while_blocked_in_send_frees_the_blocks(slow_engine):
     """The client vanishes while the server waits to write (a full socket buffer): the response
     is cancelled inside `send`, outside the event generator, and must still abort its request."""
     app = build_app(slow_engine.llm, slow_engine.config)
-    body = {"prompt": "long", "max_tokens": LONG_MAX_TOKENS, "stream": True, "ignore_eos": True}
+    body = {**LONG, "stream": True}
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
              "http_version": "1.1", "method": "POST", "path": "/v1/completions",
              "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
@@ -295,5 +270,5 @@ def test_disconnect_while_blocked_in_send_frees_the_blocks(slow_engine):
         gone.set()
         await asyncio.wait_for(task, timeout=1.0)
 
-    asyncio.run(main())
+    slow_engine.host.run(main())  # on the loop the server's AsyncLLM lives on
     slow_engine.wait_until_idle(timeout=1.0)

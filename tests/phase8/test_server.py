@@ -48,7 +48,7 @@ def sse_events(response: httpx.Response) -> list[str]:
 
 
 def test_completion_usage_counts_the_tokenizer(client, live_server):
-    tokenizer = live_server.engine.tokenizer
+    tokenizer = live_server.llm.tokenizer
     prompt = "The quick brown fox"
     out = client.completions.create(
         model=MODEL_NAME, prompt=prompt, max_tokens=7, extra_body={"ignore_eos": True}, **GREEDY
@@ -73,7 +73,7 @@ def test_completion_equals_the_offline_engine(client, offline_llm):
 
 
 def test_chat_usage_counts_the_chat_template(client, live_server):
-    tokenizer = live_server.engine.tokenizer
+    tokenizer = live_server.llm.tokenizer
     out = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=5, **GREEDY
     )
@@ -225,21 +225,19 @@ def test_metrics_count_what_was_served(http, client):
 @pytest.mark.slow  # loads the embedded SmolLM2 (~5 s) and generates on 30 float32 layers
 def test_embedded_default_answers_through_the_openai_client():
     """The README's main job: `mini-vllm serve` with no model, asked through `openai`."""
-    import socket
-
-    from phase8_serving import LLM
     from phase8_serving.api_server import ServerConfig, build_app
     from phase8_serving.async_engine import AsyncLLM
     from phase8_serving.default_model import MODEL_NAME as DEFAULT_NAME
+    from phase8_serving.default_model import default_model_dir
+    from phase8_serving.engine_core import EngineCoreSpec
 
-    from .conftest import start_server
+    from .conftest import ServerHost
 
-    llm = AsyncLLM(LLM(dtype="float32", device="cpu").engine, DEFAULT_NAME)
-    sock = socket.create_server(("127.0.0.1", 0))
-    server, thread = start_server(build_app(llm, ServerConfig(DEFAULT_NAME, 2048)), sock)
-    host, port = sock.getsockname()
+    llm = AsyncLLM.spawn(EngineCoreSpec(str(default_model_dir()), "float32", "cpu"), DEFAULT_NAME)
+    host = ServerHost()
     try:
-        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="x", max_retries=0)
+        url = host.serve(build_app(llm, ServerConfig(DEFAULT_NAME, 2048)))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         stream = client.chat.completions.create(
             model=DEFAULT_NAME, messages=question, max_tokens=12, temperature=0, stream=True
@@ -247,6 +245,5 @@ def test_embedded_default_answers_through_the_openai_client():
         reply = "".join(c.choices[0].delta.content or "" for c in stream)
         assert "Paris" in reply
     finally:
-        server.should_exit = True
-        thread.join()
+        host.close()
         llm.shutdown()

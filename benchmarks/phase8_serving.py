@@ -1,0 +1,370 @@
+"""Phase 8 on the H200: workload W offline and through the server, in one run.
+
+On a Qwen3-0.6B-shaped checkpoint with random weights (`--load-format dummy`: config.json and the
+real Qwen3 tokenizer files, no weights) and workload W (256 token-id prompts, 142,827 prompt and
+133,966 output tokens, temperature 0.6, ignore_eos), prefix caching off everywhere (W's random
+prompts share nothing, and W is served several times by one server):
+1. offline: phase 8's `LLM.generate` with the tuned flags (256 sequences, 16,384 batched tokens,
+   40,000 blocks): output tok/s, prefill included (the baseline);
+2. `mini-vllm serve` with the same flags, in its own processes: W all at once, streaming, then
+   not streaming, then Poisson arrivals at 16 req/s (TTFT, TPOT, ITL p50/p99);
+3. `mini-vllm serve` with no engine flags (the defaults), W all at once, streaming;
+4. the front-end ceiling: the same server over a stub model runner that returns a token per
+   sequence per step without any model (a CPU engine core with the tuned scheduler): what the front
+   end and the client can carry. It must stream >= 3x the offline rate, or the numbers above say
+   more about the front end (or the client) than about the engine.
+The JSON carries `served_over_offline` (streaming saturation / offline; goal >= 0.85) and
+`defaults_over_tuned` (goal >= 0.90), and for every served run the client's CPU share (process
+time / wall time: near 1.0 would mean the client, not the server, was the bound).
+
+The client is an independent asyncio HTTP client in this process (aiohttp where installed, else
+httpx), one connection per request, reading SSE lines without parsing every chunk's JSON.
+
+Run (CUDA machine, ~5 min): python -m benchmarks.phase8_serving [--out DIR]
+`--quick`: a tiny model on the CPU, 8 requests (checks that the script works).
+"""
+
+import asyncio
+import gc
+import json
+import math
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import (
+    W_TEMPERATURE,
+    Request,
+    benchmark_parser,
+    parse_args,
+    seeded_workload,
+    workload_w,
+    write_result,
+)
+from phase8_serving import LLM, SamplingParams
+from phase8_serving.engine_core import EngineCoreSpec, build_llm
+from phase8_serving.model_runner import SampledToken
+
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
+TINY = {**QWEN3_0_6B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}  # fmt: skip
+TUNED = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "num_kv_blocks": 40000,
+         "enable_prefix_caching": False, "load_format": "dummy"}  # fmt: skip
+QUICK_TUNED = {**TUNED, "max_num_seqs": 8, "max_num_batched_tokens": 512, "num_kv_blocks": 256}
+POISSON_RATE = 16.0
+CEILING_FACTOR = 3.0
+STARTUP_S = 900
+NAME = "qwen3"
+
+
+def write_checkpoint(directory: Path, config: dict, tokenizer_dir: Path) -> Path:
+    """config.json and the tokenizer: all `--load-format dummy` reads."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(**config).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+    return directory
+
+
+def run_offline(checkpoint: Path, workload: list[Request], device: str, flags: dict) -> dict:
+    llm = LLM(checkpoint, device=device, **flags)
+    params = [SamplingParams(temperature=W_TEMPERATURE, max_tokens=r.max_tokens, ignore_eos=True)
+              for r in workload]  # fmt: skip
+    prompts = [r.prompt_ids for r in workload]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.shutdown()
+    del llm, outs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the server's engine core needs this memory
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
+
+
+# -- the front-end ceiling: an engine core whose runner is a stub ---------------------------------
+
+
+def build_stub_llm(spec: EngineCoreSpec) -> LLM:
+    """The real scheduler and block manager, and a runner that makes up a token per sequence."""
+    llm = build_llm(spec)
+    runner = llm.engine.runner
+
+    def run(scheduled):
+        return [SampledToken(1000 + seq.num_tokens % 1000, None)
+                if seq.num_computed_tokens + n >= seq.num_tokens else None
+                for seq, n in scheduled]  # fmt: skip
+
+    runner.run = run
+    return llm
+
+
+def serve_stub(checkpoint: str, port: int, flags: dict) -> None:
+    """The stub server's process: a front end as `mini-vllm serve` builds it, over the stub."""
+    import uvicorn
+
+    from phase8_serving.api_server import ServerConfig, build_app
+    from phase8_serving.async_engine import AsyncLLM
+    from phase8_serving.config import EngineConfig
+
+    spec = EngineCoreSpec(checkpoint, "float32", "cpu", EngineConfig(**flags),
+                          make_llm=build_stub_llm)  # fmt: skip
+    llm = AsyncLLM.spawn(spec, NAME)
+    try:
+        app = build_app(llm, ServerConfig(NAME, TINY["max_position_embeddings"]))
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    finally:
+        llm.shutdown()
+
+
+# -- a server in its own processes, and the client -------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def start_server(command: list[str]) -> tuple[subprocess.Popen, str]:
+    """Runs `command` (its "PORT" replaced by a free port) until its /health answers 200."""
+    import httpx
+
+    port = free_port()
+    process = subprocess.Popen([str(port) if part == "PORT" else part for part in command])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}: {command}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(process)
+            raise TimeoutError(f"the server did not start: {command}")
+        time.sleep(0.5)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def _one(session, url: str, body: dict) -> dict:
+    """One request; SSE lines are scanned, and only the usage chunk is parsed."""
+    start = time.perf_counter()
+    stamps, usage = [], None
+    async for line in session.lines(url, body):
+        if not body["stream"]:  # one JSON body
+            usage = json.loads(line)["usage"] if line else usage
+        elif '"usage":{' in line:
+            usage = json.loads(line[len("data: ") :])["usage"]
+        elif line.startswith("data: {") and '"text":""' not in line:
+            stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    if usage is None:
+        raise RuntimeError(f"no usage in the response to {url}")
+    ttft = (stamps[0] if stamps else end) - start
+    itl = [later - earlier for earlier, later in zip(stamps, stamps[1:], strict=False)]
+    return {"e2e": end - start, "ttft": ttft, "itl": itl,
+            "output_tokens": usage["completion_tokens"]}  # fmt: skip
+
+
+class Session:
+    """aiohttp where installed (the lighter client), else httpx; yields response lines."""
+
+    def __init__(self):
+        try:
+            import aiohttp
+
+            self.kind = "aiohttp"
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(None)
+            )
+        except ImportError:
+            import httpx
+
+            self.kind = "httpx"
+            self.session = httpx.AsyncClient(timeout=None, limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=None))  # fmt: skip
+
+    async def lines(self, url: str, body: dict):
+        if self.kind == "aiohttp":
+            async with self.session.post(url, json=body) as response:
+                response.raise_for_status()
+                async for raw in response.content:
+                    yield raw.decode().rstrip("\n")
+        else:
+            async with self.session.stream("POST", url, json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    yield line
+
+    async def close(self):
+        await (self.session.close() if self.kind == "aiohttp" else self.session.aclose())
+
+
+async def _load(url: str, workload: list[Request], stream: bool, rate: float) -> dict:
+    session = Session()
+    rng = random.Random(0)
+    tasks = []
+    cpu, start = time.process_time(), time.perf_counter()
+    for r in workload:
+        body = {"model": NAME, "prompt": r.prompt_ids, "max_tokens": r.max_tokens,
+                "temperature": W_TEMPERATURE, "ignore_eos": True, "stream": stream}  # fmt: skip
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        tasks.append(asyncio.create_task(_one(session, url + "/v1/completions", body)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    await session.close()
+    return summarize(results, wall, cpu, stream, rate, session.kind)
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None}
+    ordered = sorted(values)
+    pick = lambda p: ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]  # noqa: E731
+    return {"p50": pick(50) * 1000, "p99": pick(99) * 1000}
+
+
+def summarize(results, wall: float, cpu: float, stream: bool, rate: float, client: str) -> dict:
+    tokens = sum(r["output_tokens"] for r in results)
+    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1)
+            for r in results if r["output_tokens"] > 1]  # fmt: skip
+    return {
+        "stream": stream, "request_rate": "inf" if math.isinf(rate) else rate,
+        "client": client, "seconds": wall, "output_tokens": tokens,
+        "output_tok_s": tokens / wall, "client_cpu_share": cpu / wall,
+        "ttft_ms": percentiles([r["ttft"] for r in results]) if stream else None,
+        "tpot_ms": percentiles(tpot) if stream else None,
+        "itl_ms": percentiles([g for r in results for g in r["itl"]]) if stream else None,
+        "e2e_ms": percentiles([r["e2e"] for r in results]),
+    }  # fmt: skip
+
+
+def serve_runs(command: list[str], workload, runs: list[tuple[bool, float]]) -> list[dict]:
+    process, url = start_server(command)
+    try:
+        out = []
+        for stream, rate in runs:
+            result = asyncio.run(_load(url, workload, stream, rate))
+            print(f"  stream={stream} rate={rate}: {result['output_tok_s']:,.0f} output tok/s, "
+                  f"client CPU {result['client_cpu_share']:.0%}")  # fmt: skip
+            out.append(result)
+        return out
+    finally:
+        stop_server(process)
+
+
+def serve_command(checkpoint: Path, device: str, flags: dict) -> list[str]:
+    command = [sys.executable, "-m", "phase8_serving", "serve", str(checkpoint),
+               "--served-model-name", NAME, "--load-format", "dummy", "--device", device,
+               "--port", "PORT"]  # fmt: skip
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(flag if value else flag.replace("--", "--no-", 1))
+        elif name != "load_format":
+            command += [flag, str(value)]
+    return command
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, threads=False)
+    parser.add_argument("--tokenizer-dir", type=Path, default=None,
+                        help="Qwen3's tokenizer files (default: tests/assets' copy)")  # fmt: skip
+    parser.add_argument("--serve-stub", nargs=2, metavar=("CHECKPOINT", "PORT"),
+                        help=argparse_suppress())  # fmt: skip
+    args = parse_args(parser)
+    quick = args.quick
+    flags = QUICK_TUNED if quick else TUNED
+    if args.serve_stub:
+        serve_stub(args.serve_stub[0], int(args.serve_stub[1]), flags)
+        return
+    device = "cpu" if quick or not torch.cuda.is_available() else "cuda"
+    if args.tokenizer_dir is None:
+        from tests import assets
+
+        args.tokenizer_dir = assets.qwen3_tokenizer_dir()
+    workload = seeded_workload(0, 8, (16, 64), (8, 32), 10001) if quick else workload_w()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_checkpoint(Path(tmp) / "model", TINY if quick else QWEN3_0_6B,
+                                 args.tokenizer_dir)  # fmt: skip
+        stub = write_checkpoint(Path(tmp) / "stub", TINY, args.tokenizer_dir)
+        print("offline ...")
+        offline = run_offline(model, workload, device, flags)
+        print(f"  {offline['output_tok_s']:,.0f} output tok/s")
+        print("served, tuned flags ...")
+        runs = [(True, math.inf), (False, math.inf), (True, POISSON_RATE)]
+        served = serve_runs(serve_command(model, device, flags), workload, runs)
+        print("served, defaults ...")
+        defaults = serve_runs(serve_command(model, device, {}), workload, [(True, math.inf)])
+        print("front-end ceiling (stub runner) ...")
+        stub_command = [sys.executable, "-m", "benchmarks.phase8_serving", "--serve-stub",
+                        str(stub), "PORT"] + (["--quick"] if quick else [])  # fmt: skip
+        (ceiling,) = serve_runs(stub_command, workload, [(True, math.inf)])
+    saturation = served[0]["output_tok_s"]
+    payload = {
+        "quick": quick,
+        "workload": {
+            "name": "W" if not quick else "quick",
+            "num_requests": len(workload),
+            "prompt_tokens": sum(len(r.prompt_ids) for r in workload),
+            "max_output_tokens": sum(r.max_tokens for r in workload),
+            "temperature": W_TEMPERATURE,
+            "ignore_eos": True,
+            "model": "Qwen3-0.6B shapes, dummy weights" if not quick else "tiny",
+            "device": device,
+            "tuned_flags": flags,
+        },  # fmt: skip
+        "baseline": {"offline": offline},
+        "served_tuned": {
+            "stream_saturation": served[0],
+            "no_stream_saturation": served[1],
+            f"stream_poisson_{POISSON_RATE:g}": served[2],
+        },  # fmt: skip
+        "served_defaults": {"stream_saturation": defaults[0]},
+        "front_end_ceiling": ceiling,
+        "served_over_offline": saturation / offline["output_tok_s"],
+        "defaults_over_tuned": defaults[0]["output_tok_s"] / saturation,
+        "ceiling_over_offline": ceiling["output_tok_s"] / offline["output_tok_s"],
+        "ceiling_goal": CEILING_FACTOR,
+    }
+    path = write_result("phase8_serving" + ("_quick" if quick else ""), payload, args.out)
+    print(f"served/offline {payload['served_over_offline']:.2f}, defaults/tuned "
+          f"{payload['defaults_over_tuned']:.2f}, ceiling/offline "
+          f"{payload['ceiling_over_offline']:.1f}x; wrote {path}")  # fmt: skip
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

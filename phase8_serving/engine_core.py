@@ -1,0 +1,372 @@
+"""The engine core: a process that does nothing but step the engine (vLLM v1's `EngineCore`).
+
+Problem: with the engine in a thread of the HTTP server's process, the server kept a third of what
+its engine can do. A profile at saturation (py-spy, H200) gave the engine thread 65% of the
+samples, a third of them spent turning token ids into text and holding back stop strings, and the
+event loop the rest; both fought for one GIL, so the GPU waited on Python that had nothing to do
+with it.
+Idea: the scheduler, the block manager and the model runner live in a process of their own, the
+only one that touches the GPU, and speak token ids only. The front end (async_engine.py) owns
+everything that is text. Over one ZeroMQ socket, msgpack-encoded by msgspec:
+- in, batched: `AddRequests` (every prompt of an HTTP request in one message), `AbortRequests`
+  (a client left, or the front end found a stop string), `GetState` (a small request/reply), and
+  `Hello`, answered with `CoreInfo` (what the front end must know to validate prompts);
+- out: ONE `StepOutputs` per engine step, with every request's new token ids (logprobs when
+  asked), finish reasons, the core's timestamps, `EngineStats` for /metrics and, at a bounded
+  rate, a `snapshot` dict for dashboards; `Heartbeat` while idle.
+
+Invariants:
+- the core never detokenizes: its requests use `RequestOutputKind.DELTA_TOKEN_IDS`; stop tokens,
+  EOS and max_tokens end a request here, stop strings in the front end (which then aborts it);
+- inputs are drained, all of them, between steps: a step never runs with an abort still unread,
+  and a `GetState` reply reflects every message sent before it;
+- idle, the core blocks on its socket (a heartbeat every `HEARTBEAT_INTERVAL_S`, no busy poll);
+- a failing step fails the requests in flight (finish reason "error") and the loop goes on;
+- a core started by a front end exits when that front end's process is gone; a core started on
+  its own serves whichever front end said `Hello` last, and drops the requests of the one before.
+"""
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import msgspec
+import zmq
+
+from .config import EngineConfig
+from .engine import LLM, LLMEngine, RequestOutput, RequestOutputKind
+from .metrics import EngineStats
+from .sampling import SamplingParams, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+HEARTBEAT_INTERVAL_S = 1.0  # an idle core says it is alive this often
+SNAPSHOT_INTERVAL_S = 0.5  # the dashboard's snapshot is taken at most this often
+
+
+# -- messages (front end -> core) -----------------------------------------------------------------
+
+
+class Message(msgspec.Struct, tag=True, array_like=True):
+    """A message of either direction: a msgpack array led by its class name (the tag)."""
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Hello(Message):
+    """The front end's first message; the core answers with its `CoreInfo`."""
+
+
+class AddRequests(Message):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(Message):
+    request_ids: list[str]
+
+
+class GetState(Message):
+    call_id: int
+
+
+class Shutdown(Message):
+    pass
+
+
+CoreInput = Hello | AddRequests | AbortRequests | GetState | Shutdown
+
+
+# -- messages (core -> front end) -----------------------------------------------------------------
+
+
+class CoreInfo(Message):
+    """What the front end checks a prompt against before sending it (the engine's own checks)."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    num_kv_slots: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    device: str
+    # the cache's settings, for /metrics (vllm:cache_config_info)
+    block_size: int
+    num_cpu_kv_blocks: int
+    enable_prefix_caching: bool
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's news from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" (a stop token: it has no text), "length", "error"
+    error: str | None = None  # why, for "error"
+    arrival_time: float | None = None  # the core's clock, on a request's first output only
+    scheduled_time: float | None = None  # when a step first ran it, likewise
+
+
+class StepOutputs(Message):
+    outputs: list[EngineCoreOutput]
+    timestamp: float  # the core's clock when the step ended
+    stats: EngineStats
+    snapshot: dict | None = None  # `EngineCoreSpec.snapshot`'s dict, at most every interval
+
+
+class EngineState(Message):
+    call_id: int
+    num_requests: int  # requests the engine holds, running or waiting
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+class Heartbeat(Message):
+    pass
+
+
+CoreOutput = CoreInfo | StepOutputs | EngineState | Heartbeat
+
+
+# -- what a core is built from --------------------------------------------------------------------
+
+
+def build_llm(spec: "EngineCoreSpec") -> LLM:
+    """The engine a core runs, with its tensor-parallel workers if any (children of the core)."""
+    kwargs = {f.name: getattr(spec.config, f.name) for f in fields(EngineConfig)}
+    return LLM(spec.model, dtype=spec.dtype, device=spec.device, **kwargs)
+
+
+def default_snapshot(engine: LLMEngine) -> dict:
+    """A small picture of the engine for dashboards: plain ints, so any encoder carries it."""
+    scheduler, bm = engine.scheduler, engine.block_manager
+    return {
+        "num_running": len(scheduler.running),
+        "num_waiting": len(scheduler.waiting) + len(scheduler.swapped),
+        "num_free_blocks": bm.num_free_blocks,
+        "num_blocks": len(bm.blocks),
+    }
+
+
+@dataclass(frozen=True)
+class EngineCoreSpec:
+    """How to build one engine core. Picklable: it travels to the spawned process, so the
+    callables must be module-level functions (tests and benchmarks pass their own)."""
+
+    model: str  # a local checkpoint directory (the front end resolved hub ids already)
+    dtype: str = "auto"
+    device: str | None = None
+    config: EngineConfig = field(default_factory=EngineConfig)
+    make_llm: Callable[["EngineCoreSpec"], LLM] = build_llm
+    # engine -> dict for the front end's stats callback (the core adds "step_num_tokens": the
+    # tokens each step produced since the last snapshot); None: no snapshots
+    snapshot: Callable[[LLMEngine], dict] | None = default_snapshot
+    snapshot_interval_s: float = SNAPSHOT_INTERVAL_S
+    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of this core (data parallelism)
+    num_threads: int | None = None  # torch's CPU threads; None: torch's default
+
+    def __post_init__(self):
+        if not self.snapshot_interval_s > 0:
+            raise ValueError(f"snapshot_interval_s must be > 0, got {self.snapshot_interval_s}")
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    scheduler, bm = engine.scheduler, engine.block_manager
+    return EngineStats(
+        num_running=len(scheduler.running),
+        # swapped-out requests (phase 5) wait too, with their KV blocks on the CPU
+        num_waiting=len(scheduler.waiting) + len(scheduler.swapped),
+        kv_cache_usage=bm.num_used_blocks / len(bm.blocks),
+        prefix_cache_queries=bm.num_queried_tokens,
+        prefix_cache_hits=bm.num_hit_tokens,
+        num_preemptions=engine.num_preemptions,
+    )
+
+
+# -- the core loop --------------------------------------------------------------------------------
+
+
+class EngineCore:
+    """The loop: drain the socket, step, send one message; block on the socket when idle."""
+
+    def __init__(self, engine: LLMEngine, spec: EngineCoreSpec, socket: zmq.Socket):
+        self.engine = engine
+        self.spec = spec
+        self.socket = socket  # a ROUTER: the front end is whichever peer spoke last
+        self.peer: bytes | None = None
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        self.timing: dict[str, list[float | None]] = {}  # id -> [arrival, scheduled], until output
+        self.step_num_tokens: list[int] = []  # since the last snapshot
+        self.last_snapshot = 0.0
+
+    def run(self, parent_pid: int | None) -> None:
+        while True:
+            if parent_pid is not None and os.getppid() != parent_pid:  # a syscall, ~1 us
+                logger.info("the front end is gone; the engine core exits")
+                return
+            if not self.engine.has_unfinished_requests():
+                if not self.socket.poll(HEARTBEAT_INTERVAL_S * 1000):
+                    self._send(Heartbeat())
+                    continue
+            if not self._drain_inputs():
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _drain_inputs(self) -> bool:
+        """Handles every message already received; False once told to shut down."""
+        while True:
+            try:
+                peer, frame = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            message = self.decoder.decode(frame)
+            if isinstance(message, Hello) and self.peer not in (None, peer):
+                self._abort_all()  # a new front end: the old one's requests have nobody to read
+            self.peer = peer
+            if isinstance(message, Shutdown):
+                return False
+            self._handle(message)
+
+    def _abort_all(self) -> None:
+        logger.info("a new front end connected; aborting %d requests", len(self.engine.requests))
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        self.timing.clear()
+
+    def _handle(self, message: CoreInput) -> None:
+        engine = self.engine
+        if isinstance(message, Hello):
+            self._send(core_info(engine))
+        elif isinstance(message, AddRequests):
+            self._add(message.requests)
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                engine.abort_request(request_id)
+                self.timing.pop(request_id, None)
+        else:  # GetState
+            bm, scheduler = engine.block_manager, engine.scheduler
+            self._send(
+                EngineState(
+                    message.call_id, len(engine.requests), len(scheduler.running),
+                    len(scheduler.waiting) + len(scheduler.swapped), bm.num_free_blocks,
+                    len(bm.blocks),
+                )
+            )  # fmt: skip
+
+    def _add(self, requests: list[EngineCoreRequest]) -> None:
+        now = time.monotonic()
+        rejected = []
+        for r in requests:
+            try:
+                self.engine.add_request(
+                    r.prompt_token_ids, r.params, r.request_id, RequestOutputKind.DELTA_TOKEN_IDS
+                )
+            except ValueError as e:  # the front end checks first; this is the last line
+                rejected.append(EngineCoreOutput(r.request_id, [], None, "error", str(e)))
+                continue
+            self.timing[r.request_id] = [now, None]
+        if rejected:
+            self._send(StepOutputs(rejected, time.monotonic(), engine_stats(self.engine)))
+
+    def _step(self) -> None:
+        start = time.monotonic()
+        in_flight = list(self.engine.requests)
+        try:
+            results = self.engine.step()
+        except Exception as e:  # a bug or an exhausted device: fail what was in flight, go on
+            logger.exception("engine step failed; failing %d requests", len(in_flight))
+            outputs = []
+            for request_id in in_flight:
+                self.engine.abort_request(request_id)
+                self.timing.pop(request_id, None)
+                outputs.append(
+                    EngineCoreOutput(request_id, [], None, "error", f"the engine failed: {e}")
+                )
+        else:
+            self._note_scheduled(start)
+            outputs = [self._output(result, start) for result in results]
+        self.step_num_tokens.append(sum(len(o.new_token_ids) for o in outputs))
+        now = time.monotonic()
+        self._send(StepOutputs(outputs, now, engine_stats(self.engine), self._snapshot(now)))
+
+    def _note_scheduled(self, step_start: float) -> None:
+        """A running request that has no scheduled time was first run by this step."""
+        for seq in self.engine.scheduler.running:
+            timing = self.timing.get(seq.request_id)
+            if timing is not None and timing[1] is None:
+                timing[1] = step_start
+
+    def _output(self, result: RequestOutput, step_start: float) -> EngineCoreOutput:
+        completion = result.outputs[0]
+        output = EngineCoreOutput(
+            result.request_id, completion.token_ids, completion.logprobs, completion.finish_reason
+        )
+        timing = self.timing.pop(result.request_id, None)
+        if timing is not None:  # its first output
+            output.arrival_time = timing[0]
+            output.scheduled_time = timing[1] if timing[1] is not None else step_start
+        return output
+
+    def _snapshot(self, now: float) -> dict | None:
+        snapshot = self.spec.snapshot
+        if snapshot is None or now - self.last_snapshot < self.spec.snapshot_interval_s:
+            return None
+        self.last_snapshot = now
+        picture = {**snapshot(self.engine), "step_num_tokens": self.step_num_tokens}
+        self.step_num_tokens = []
+        return picture
+
+    def _send(self, message: CoreOutput) -> None:
+        if self.peer is not None:  # nobody to tell before the front end's first message
+            self.socket.send_multipart((self.peer, self.encoder.encode(message)), copy=False)
+
+
+def core_info(engine: LLMEngine) -> CoreInfo:
+    model_config, config = engine.model.config, engine.config
+    return CoreInfo(
+        vocab_size=model_config.vocab_size,
+        max_position_embeddings=model_config.max_position_embeddings,
+        # the cache as built (its size may be computed at start-up, not given in the config)
+        num_kv_slots=len(engine.block_manager.blocks) * config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        device=str(engine.runner.device),
+        block_size=config.block_size,
+        num_cpu_kv_blocks=config.num_cpu_kv_blocks,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+
+
+def run_engine_core(spec: EngineCoreSpec, address: str, parent_pid: int | None = None) -> None:
+    """The engine core process's body: bind `address`, build the engine, loop until told to stop.
+
+    `parent_pid`: the front end that spawned this core, watched while idle; None for a core
+    started on its own (`mini-vllm engine-core`), which runs until it is stopped.
+    """
+    if spec.visible_devices is not None:  # before anything initializes CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
+    if spec.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.num_threads)
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(address)  # first: a taken address fails before the slow load
+    llm = spec.make_llm(spec)
+    try:
+        EngineCore(llm.engine, spec, socket).run(parent_pid)
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the front end reports
+        pass
+    finally:
+        llm.shutdown()
+        socket.close()
+        context.term()

@@ -1,0 +1,239 @@
+"""Output processor: the engine core's token ids become text, stop strings and deltas, here.
+
+Problem: the engine core sends token ids only (engine_core.py). Clients want text, cut before any
+stop string they named, streamed as deltas that are never taken back, and a slow client must not
+slow anyone else or pile up a queue of tiny chunks.
+Idea (vLLM v1's `OutputProcessor` and `RequestOutputCollector`):
+- each request keeps a `RequestState`: an incremental detokenizer (`tokenizers`' `DecodeStream`
+  where it exists, else phase 6's two-offset one), its text, how much of it was sent, its timing;
+- `RequestState.update` turns one step's ids into an `OutputDelta`: new text, minus the tail that
+  may still begin a stop string (held back here, once); a stop string ends the request, and the
+  processor asks the caller to abort it in the core;
+- deltas go into one `RequestOutputCollector` per HTTP request (all its choices): if the handler
+  has not taken the previous delta of a choice yet, the new one is merged into it, so a lagging
+  client gets fewer, larger chunks and the processor never waits.
+
+Invariants: a choice's deltas, concatenated, are its final text and token ids; nothing sent is
+ever withdrawn; `process` never blocks and never awaits.
+"""
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .engine_core import EngineCoreOutput, StepOutputs
+from .metrics import EngineMetrics, RequestTiming
+from .streaming import OutputDelta, held_back_length
+from .tokenizer import (
+    DETOKENIZE_CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+    Tokenizer,
+    find_stop_string,
+)
+
+try:  # tokenizers >= 0.21: one Rust call per token
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: phase 6's detokenizer
+    DecodeStream = None
+
+
+class EngineStepError(RuntimeError):
+    """A step failed inside the engine core; the requests it held were aborted."""
+
+
+class StreamDetokenizer:
+    """`IncrementalDetokenizer`'s interface over `tokenizers.decoders.DecodeStream`."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_ids[-DETOKENIZE_CONTEXT_TOKENS:])  # context, then outputs
+        self.read_offset = len(self.token_ids)  # ids up to here have shown all their text
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token in self.token_ids:  # the prompt's tail renders the first output in context
+            self.stream.step(tokenizer.backend, token)
+
+    def add_tokens(self, new_ids: Sequence[int]) -> str:
+        pieces = []
+        for token in new_ids:
+            self.token_ids.append(token)
+            piece = self.stream.step(self.tokenizer.backend, token)
+            if piece is not None:  # None: a character is still split
+                pieces.append(piece)
+                self.read_offset = len(self.token_ids)
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        """At the end of a request: what a split character held back, as U+FFFD."""
+        if self.read_offset == len(self.token_ids):
+            return ""
+        start = max(0, self.read_offset - DETOKENIZE_CONTEXT_TOKENS)
+        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
+        before = decode(self.token_ids[start : self.read_offset])
+        self.read_offset = len(self.token_ids)
+        return decode(self.token_ids[start:])[len(before) :]
+
+
+def make_detokenizer(tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool):
+    if DecodeStream is None:
+        return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    return StreamDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+
+
+def merge(old: OutputDelta, new: OutputDelta) -> OutputDelta:
+    """Two consecutive deltas of one choice as one."""
+    logprobs = old.logprobs
+    if new.logprobs is not None:
+        logprobs = (logprobs or []) + new.logprobs
+    return OutputDelta(
+        old.text + new.text, old.token_ids + new.token_ids, logprobs, new.finish_reason
+    )
+
+
+class RequestOutputCollector:
+    """One HTTP request's outputs, by choice index, waiting for its handler to take them."""
+
+    def __init__(self):
+        self.pending: dict[int, OutputDelta] = {}
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, index: int, delta: OutputDelta) -> None:
+        old = self.pending.get(index)
+        self.pending[index] = delta if old is None else merge(old, delta)
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> dict[int, OutputDelta]:
+        """Everything produced since the last call, one delta per choice; raises on failure."""
+        await self.ready.wait()
+        self.ready.clear()
+        if self.error is not None:
+            raise self.error
+        pending, self.pending = self.pending, {}
+        return pending
+
+
+@dataclass
+class RequestState:
+    """One engine request (one choice) as the front end follows it."""
+
+    request_id: str
+    index: int  # its choice index in the HTTP request
+    collector: RequestOutputCollector
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer
+    stops: tuple[str, ...]
+    core: int  # which engine core runs it
+    num_prompt_tokens: int
+    max_tokens: int
+    min_tokens: int = 0  # no stop string ends the request before this many tokens (vLLM's rule)
+    timing: RequestTiming = field(default_factory=RequestTiming)
+    text: str = ""
+    num_chars_sent: int = 0
+    num_output_tokens: int = 0
+
+    # exercise 8.3: the front end's half of a step (token ids to text, stop strings, hold-back)
+    def update(self, output: EngineCoreOutput) -> OutputDelta:
+        """One step's token ids as a delta of text that no later step will take back.
+
+        A finish reason "stop" from the core means the last id is a stop token (EOS or one of
+        stop_token_ids): it counts as a token but has no text. A stop string found here ends the
+        request with "stop" and the text is cut before it. While the request runs, the longest
+        tail of the text that begins some stop string is held back. Within `min_tokens`, stop
+        strings are not searched: one counts only if it ends in text of a later token.
+        """
+        ids, reason = output.new_token_ids, output.finish_reason
+        new_text = self.detokenizer.add_tokens(ids[:-1] if reason == "stop" else ids)
+        if reason is not None and reason != "stop":
+            new_text += self.detokenizer.flush()  # a character split at max_tokens shows up
+        self.text += new_text
+        self.num_output_tokens += len(ids)
+        searched = new_text and self.num_output_tokens > self.min_tokens
+        match = find_stop_string(self.text, self.stops, len(new_text)) if searched else None
+        if match is not None:
+            self.text = self.text[: match.index]
+            reason = "stop"
+        end = len(self.text)
+        if reason is None:
+            end -= held_back_length(self.text, self.stops)
+        delta_text = self.text[self.num_chars_sent : end]
+        self.num_chars_sent = max(self.num_chars_sent, end)
+        return OutputDelta(delta_text, list(ids), output.new_logprobs, reason)
+
+
+class OutputProcessor:
+    """Every request in flight, keyed by engine request id; `process` handles one core message."""
+
+    def __init__(self, tokenizer: Tokenizer, metrics: EngineMetrics):
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, state: RequestState) -> None:
+        self.states[state.request_id] = state
+        self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
+
+    def remove(self, request_ids: Sequence[str]) -> list[RequestState]:
+        """Forgets requests (their client left); returns those that were still in flight."""
+        return [s for i in request_ids if (s := self.states.pop(i, None)) is not None]
+
+    def process(self, message: StepOutputs) -> tuple[list[RequestState], list[str]]:
+        """Delivers one step's outputs. Returns the requests that finished and the ids the core
+        must abort (a stop string ended them here while the core would go on)."""
+        now = time.monotonic()
+        finished, to_abort = [], []
+        num_step_tokens = 0  # vLLM's iteration tokens: new ids, plus a whole prompt at its first
+        for output in message.outputs:
+            state = self.states.get(output.request_id)
+            if state is None:  # aborted after the core sent this
+                continue
+            if output.finish_reason == "error":
+                self.states.pop(output.request_id)
+                finished.append(state)
+                state.collector.fail(EngineStepError(output.error))
+                continue
+            first = state.num_output_tokens == 0
+            delta = state.update(output)
+            num_step_tokens += len(output.new_token_ids) + (state.num_prompt_tokens if first else 0)
+            self._observe(state, output, message.timestamp, now)
+            if delta.finish_reason is not None:
+                del self.states[output.request_id]
+                finished.append(state)
+                state.timing.finished = message.timestamp
+                self.metrics.observe_finished(
+                    state.timing, now, delta.finish_reason, state.num_prompt_tokens,
+                    state.num_output_tokens,
+                )  # fmt: skip
+                if output.finish_reason is None:
+                    to_abort.append(output.request_id)
+            state.collector.put(state.index, delta)
+        if num_step_tokens:
+            self.metrics.observe_step(num_step_tokens)
+        return finished, to_abort
+
+    def fail_core(self, core: int, error: BaseException) -> list[RequestState]:
+        """Fails every request of a core that died."""
+        failed = [s for s in self.states.values() if s.core == core]
+        for state in failed:
+            del self.states[state.request_id]
+            state.collector.fail(error)
+        return failed
+
+    def _observe(self, state: RequestState, output: EngineCoreOutput, core_time: float,
+                 now: float) -> None:  # fmt: skip
+        timing, m = state.timing, self.metrics
+        if output.arrival_time is not None:  # the request's first output
+            timing.core_arrival, timing.scheduled = output.arrival_time, output.scheduled_time
+        if not output.new_token_ids:
+            return
+        m.generation_tokens.inc(len(output.new_token_ids))
+        if timing.last_token is None:
+            m.time_to_first_token.observe(now - timing.arrival)
+            timing.first_token = core_time
+        else:
+            m.inter_token_latency.observe(now - timing.last_token)
+        timing.last_token = now

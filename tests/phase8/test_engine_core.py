@@ -1,0 +1,120 @@
+"""The process layout: data parallelism over two CPU engine cores, the dashboard's stats hook,
+a core that dies mid-stream, and a front end and a core started as separate commands over tcp."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from phase8_serving.api_server import ServerConfig, build_app
+from phase8_serving.async_engine import AsyncLLM
+
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerHost, tiny_core_spec
+from .engine_cores import SLOW_MARK
+
+STARTUP_S = 180  # two processes importing torch on a busy 2-core machine
+SLOW = {"prompt": [*SLOW_MARK, *b"dp"], "max_tokens": 40, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_dir):
+    """Two engine cores behind one front end; the last test of this module kills one."""
+    llm = AsyncLLM.spawn(tiny_core_spec(tiny_dir), MODEL_NAME, data_parallel_size=2)
+    host = ServerHost()
+    try:
+        yield host, llm, host.serve(build_app(llm, ServerConfig(MODEL_NAME, MAX_MODEL_LEN)))
+    finally:
+        host.close()
+        llm.shutdown()
+
+
+def test_requests_go_to_the_least_loaded_core(dp_server):
+    host, llm, url = dp_server
+    snapshots = []
+    llm.on_engine_stats(lambda core, snapshot: snapshots.append((core, snapshot)))
+    with httpx.Client(base_url=url, timeout=60) as client:
+        streams = [client.stream("POST", "/v1/completions", json=SLOW) for _ in range(4)]
+        lines = [s.__enter__().iter_lines() for s in streams]
+        for it in lines:
+            assert next(it).startswith("data: ")
+        states = host.run(llm.engine_state())
+        assert [s.num_requests for s in states] == [2, 2]  # two each: balanced by load
+        for s in streams:
+            s.__exit__(None, None, None)
+    for _ in range(100):
+        states = host.run(llm.engine_state())
+        if all(s.num_requests == 0 and s.num_free_blocks == s.num_blocks for s in states):
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError(f"the cores are not idle: {states}")
+    # the dashboard's hook: each core's snapshots, a bounded number of them
+    assert {core for core, _ in snapshots} == {0, 1}
+    _, snapshot = snapshots[-1]
+    assert {"num_running", "num_waiting", "num_free_blocks", "step_num_tokens"} <= set(snapshot)
+    assert all(isinstance(n, int) for _, s in snapshots for n in s["step_num_tokens"])
+
+
+def test_a_core_that_dies_fails_its_streams_and_health(dp_server):
+    host, llm, url = dp_server
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=SLOW) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            (state,) = llm.processor.states.values()
+            os.kill(llm.client.cores[state.core].process.pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"server_error"' in rest[-2], rest[-3:]
+        assert "died" in rest[-2]
+        assert client.get("/health").status_code == 503
+        refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # two more processes that import torch
+def test_front_end_and_core_as_separate_commands_over_tcp(tiny_dir):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    python = [sys.executable, "-m", "phase8_serving"]
+    engine = ["--dtype", "float32", "--device", "cpu"]
+    core = subprocess.Popen([*python, "engine-core", str(tiny_dir), "--address", address,
+                             *engine], env=env)  # fmt: skip
+    serve = subprocess.Popen([*python, "serve", str(tiny_dir), "--port", str(port),
+                              "--served-model-name", "tiny", "--engine-core-address", address,
+                              *engine], env=env, stderr=subprocess.PIPE)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert serve.poll() is None and core.poll() is None
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(
+            model="tiny", prompt="over tcp", max_tokens=4, stream=True, logprobs=0
+        )
+        assert sum(len(c.choices[0].logprobs.tokens) for c in stream) >= 1
+        serve.terminate()  # uvicorn shuts down, then dies of the signal it caught
+        assert serve.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert core.poll() is None  # a core started on its own outlives its front end
+    finally:
+        for process in (serve, core):
+            process.terminate()
+            process.wait(timeout=60)

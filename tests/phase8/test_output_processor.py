@@ -1,0 +1,144 @@
+"""The front end's half of the process boundary, without processes: the engine's token-ids-only
+outputs, the output processor's text (against the offline engine's own detokenizer and stop
+strings), and the collector that merges what a slow client has not read yet."""
+
+import asyncio
+import random
+
+import pytest
+
+from phase8_serving.engine import LLM, RequestOutputKind
+from phase8_serving.engine_core import EngineCoreOutput, StepOutputs
+from phase8_serving.metrics import EngineMetrics, EngineStats
+from phase8_serving.output_processor import (
+    OutputProcessor,
+    RequestOutputCollector,
+    RequestState,
+    StreamDetokenizer,
+    make_detokenizer,
+)
+from phase8_serving.sampling import SamplingParams
+from phase8_serving.streaming import OutputDelta
+from phase8_serving.tokenizer import IncrementalDetokenizer
+
+PROMPT = [72, 105, 33]  # "Hi!"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, dtype="float32", device="cpu")
+
+
+def core_outputs(llm, prompt, params) -> list[EngineCoreOutput]:
+    """What an engine core sends for one request: its DELTA_TOKEN_IDS outputs, step by step."""
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params, output_kind=RequestOutputKind.DELTA_TOKEN_IDS)
+    outputs = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == request_id and out.outputs[0].text == ""  # no text made
+            c = out.outputs[0]
+            outputs.append(EngineCoreOutput(request_id, c.token_ids, c.logprobs, c.finish_reason))
+    return outputs
+
+
+def process_all(llm, prompt, params, outputs) -> tuple[list[OutputDelta], list[str]]:
+    """Feeds the outputs to an output processor, one step each; returns the deltas and aborts."""
+    processor = OutputProcessor(llm.get_tokenizer(), EngineMetrics("m", EngineStats))
+    collector = RequestOutputCollector()
+    request_id = outputs[0].request_id
+    detokenizer = make_detokenizer(llm.get_tokenizer(), prompt, params.skip_special_tokens)
+    processor.add(RequestState(request_id, 0, collector, detokenizer, params.stop, 0,
+                               len(prompt), params.max_tokens))  # fmt: skip
+    deltas, aborts = [], []
+    for i, output in enumerate(outputs):
+        finished, to_abort = processor.process(StepOutputs([output], float(i), EngineStats()))
+        aborts += to_abort
+        deltas.append(collector.pending.pop(0))
+        if finished:
+            break
+    return deltas, aborts
+
+
+@pytest.mark.parametrize("stop", [(), ("a",), ("\n\n", "th")])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_text_equals_the_offline_engine(llm, stop, seed):
+    """Same tokens, same text and finish reason as `LLM.generate` (which detokenizes and cuts
+    stop strings itself); a stop string found in the front end becomes an abort for the core."""
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=30, stop=stop)
+    expected = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    no_stop = SamplingParams(temperature=1.0, seed=seed, max_tokens=30)
+    outputs = core_outputs(llm, PROMPT, no_stop)  # the core runs past stop strings
+    deltas, aborts = process_all(llm, PROMPT, params, outputs)
+    text = "".join(d.text for d in deltas)
+    ids = [t for d in deltas for t in d.token_ids]
+    assert (text, ids, deltas[-1].finish_reason) == (
+        expected.text, expected.token_ids, expected.finish_reason
+    )  # fmt: skip
+    stopped_early = len(deltas) < len(outputs)
+    assert aborts == ([outputs[0].request_id] if stopped_early else [])
+
+
+def test_streamed_text_is_never_taken_back(llm):
+    """A stop string taken from the text itself, so that its first character arrives a step
+    before the rest: that character is held back, never shown and then withdrawn."""
+    checked = 0
+    for seed in range(8):
+        free = SamplingParams(temperature=1.0, seed=seed, max_tokens=30)
+        outputs = core_outputs(llm, PROMPT, free)
+        text = "".join(d.text for d in process_all(llm, PROMPT, free, outputs)[0])
+        ascii_pairs = [i for i in range(1, len(text) - 1) if text[i : i + 2].isascii()]
+        if not ascii_pairs:
+            continue
+        stop = text[ascii_pairs[0] : ascii_pairs[0] + 2]
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=30, stop=(stop,))
+        expected = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+        shown = ""
+        for delta in process_all(llm, PROMPT, params, outputs)[0]:
+            shown += delta.text
+            assert expected.startswith(shown), (shown, expected, stop)
+        assert shown == expected
+        checked += 1
+    assert checked >= 4
+
+
+def test_a_stop_token_has_no_text(llm):
+    tokenizer = llm.get_tokenizer()
+    eos = next(iter(tokenizer.eos_token_ids))
+    (h,) = tokenizer.encode("H")
+    params = SamplingParams(max_tokens=5)
+    outputs = [EngineCoreOutput("r", [h]), EngineCoreOutput("r", [eos], None, "stop")]
+    deltas, aborts = process_all(llm, PROMPT, params, outputs)
+    assert [d.text for d in deltas] == ["H", ""] and deltas[-1].finish_reason == "stop"
+    assert [d.token_ids for d in deltas] == [[h], [eos]] and not aborts
+
+
+def test_decode_stream_agrees_with_the_two_offset_detokenizer(llm):
+    """`DecodeStream` (Rust) and phase 6's detokenizer give the same deltas, invalid UTF-8
+    included (random bytes), and the same flushed tail."""
+    tokenizer = llm.get_tokenizer()
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(256) for _ in range(rng.randrange(1, 12))]
+        fast = StreamDetokenizer(tokenizer, PROMPT, True)
+        slow = IncrementalDetokenizer(tokenizer, PROMPT, True)
+        for token in ids:
+            assert fast.add_tokens([token]) == slow.add_tokens([token]), ids
+        assert fast.flush() == slow.flush(), ids
+
+
+def test_collector_merges_what_the_reader_has_not_taken():
+    async def main():
+        collector = RequestOutputCollector()
+        collector.put(0, OutputDelta("a", [1], None, None))
+        collector.put(1, OutputDelta("x", [9], None, None))
+        collector.put(0, OutputDelta("b", [2], None, "length"))  # the reader lagged: merged
+        first = await collector.get()
+        assert first == {0: OutputDelta("ab", [1, 2], None, "length"),
+                         1: OutputDelta("x", [9], None, None)}  # fmt: skip
+        assert not collector.ready.is_set()
+        collector.fail(RuntimeError("core died"))
+        with pytest.raises(RuntimeError, match="core died"):
+            await collector.get()
+
+    asyncio.run(main())
