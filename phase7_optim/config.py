@@ -6,7 +6,10 @@ type when the config is built (a bool is not a count, 2.5 is not a count either)
 naming the field, so a bad setting fails before any model is loaded or any step runs.
 
 Phase 7: `enforce_eager` turns CUDA graphs off (they only exist on CUDA anyway); slots are int32
-on the device (attention.py), so the cache holds fewer than 2**31 of them.
+on the device (attention.py), so the cache holds fewer than 2**31 of them. `async_scheduling`
+(vLLM's name) overlaps the host's work on the next step with the device's on this one (engine.py);
+None turns it on where the device runs asynchronously (CUDA) and off elsewhere, where it could
+only cost an extra step per stopped request.
 """
 
 import enum
@@ -38,6 +41,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly (vLLM's name)
     tensor_parallel_size: int = 1  # ranks (GPUs) splitting the model: distributed.py
     load_format: str = "auto"  # LOAD_FORMATS
+    async_scheduling: bool | None = None  # overlap scheduling; None: on for CUDA, off elsewhere
 
     @property
     def num_kv_slots(self) -> int:
@@ -54,6 +58,11 @@ class EngineConfig:
                 minimum = 0 if field.name == "num_cpu_kv_blocks" else 1  # no CPU pool is valid
                 if value < minimum:
                     raise ValueError(f"EngineConfig.{field.name} must be >= {minimum}, got {value}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(
+                "EngineConfig.async_scheduling must be a bool or None, "
+                f"got {self.async_scheduling!r}"
+            )
         modes = [m.value for m in PreemptionMode]
         if self.preemption_mode not in modes + list(PreemptionMode):
             raise ValueError(
