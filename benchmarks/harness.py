@@ -15,20 +15,46 @@ Every script takes the same options (`benchmark_parser`):
 """
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import random
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+# The workloads and the environment stamp are phase 8's (`mini-vllm bench` draws the same
+# requests), imported from there: one definition.
+from phase8_serving import bench
+from phase8_serving.bench import (  # noqa: F401
+    W_ID_RANGE,
+    W_NUM_REQUESTS,
+    W_OUTPUT_LEN,
+    W_PROMPT_LEN,
+    W_TEMPERATURE,
+    seeded_workload,
+    workload_w,
+)
+from phase8_serving.bench import BenchRequest as Request  # noqa: F401
+
+# Qwen3-0.6B's shapes, workload W's model (benchmarks/README.md), as its config.json says them:
+# every benchmark at these shapes builds its model (random weights: values do not matter) from this.
+QWEN3_0_6B = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    rms_norm_eps=1e-6,
+)
 
 RESULTS_DIR = Path(__file__).parent / "results"  # the committed results: written only on request
 SCRATCH_DIR = Path(tempfile.gettempdir()) / "mini-vllm-benchmarks"
@@ -84,46 +110,6 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
-@dataclass(frozen=True)
-class Request:
-    prompt_ids: list[int]
-    max_tokens: int
-
-
-def seeded_workload(
-    seed: int,
-    num_requests: int,
-    prompt_len: tuple[int, int],
-    output_len: tuple[int, int],
-    vocab_size: int,
-) -> list[Request]:
-    """Random prompts and output lengths, the same for every phase given the same arguments.
-
-    Drawn like nano-vllm's bench.py (all prompts first, then all output lengths), so that
-    workload W (benchmarks/README.md) is `workload_w()`.
-    """
-    rng = random.Random(seed)
-    prompts = [
-        [rng.randint(0, vocab_size - 1) for _ in range(rng.randint(*prompt_len))]
-        for _ in range(num_requests)
-    ]
-    max_tokens = [rng.randint(*output_len) for _ in range(num_requests)]
-    return [Request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
-
-
-# Workload W, nano-vllm's bench.py workload: 256 requests, prompts of 100-1,024 random ids below
-# 10,001, max_tokens 100-1,024, ignore_eos, temperature 0.6. 142,827 prompt + 133,966 output tokens.
-W_NUM_REQUESTS = 256
-W_PROMPT_LEN = (100, 1024)
-W_OUTPUT_LEN = (100, 1024)
-W_ID_RANGE = 10001  # randint(0, 10000): ids 0..10000
-W_TEMPERATURE = 0.6
-
-
-def workload_w() -> list[Request]:
-    return seeded_workload(0, W_NUM_REQUESTS, W_PROMPT_LEN, W_OUTPUT_LEN, W_ID_RANGE)
-
-
 def step_times(tokens: Iterable) -> tuple[list[float], list[float]]:
     """(wall seconds, process CPU seconds) between consecutive items of a token iterator; the
     first step includes its prefill.
@@ -153,33 +139,8 @@ def window_medians(times: list[float], window: int) -> list[float]:
     return [statistics.median(times[lo : lo + window]) for lo in range(0, len(times), window)]
 
 
-def git_commit() -> str:
-    """The commit that ran. `MINI_VLLM_COMMIT` wins when set: a copied working tree (the GPU
-    box's) may carry a stale .git that would name an older commit."""
-    if os.environ.get("MINI_VLLM_COMMIT"):
-        return os.environ["MINI_VLLM_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def environment() -> dict:
-    env = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
+    return {**bench.environment(), "torch_threads": torch.get_num_threads()}
 
 
 def write_result(name: str, payload: dict, out: Path | None = None) -> Path:

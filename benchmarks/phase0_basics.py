@@ -14,21 +14,21 @@ import time
 
 import torch
 
-from benchmarks.harness import Timer, benchmark_parser, parse_args, write_result
+from benchmarks.harness import QWEN3_0_6B, Timer, benchmark_parser, parse_args, write_result
 from phase0_basics import ModelConfig, TinyTransformer
 
 SEQ_LENS, QUICK_SEQ_LENS = (16, 128, 1024), (16, 128)
 REPEATS, QUICK_REPEATS = 5, 2
 # Qwen3-0.6B's shapes (workload W's model, benchmarks/README.md).
 QWEN3_0_6B_SHAPES = ModelConfig(
-    vocab_size=151936,
-    hidden_size=1024,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    max_position_embeddings=40960,
+    vocab_size=QWEN3_0_6B["vocab_size"],
+    hidden_size=QWEN3_0_6B["hidden_size"],
+    num_layers=QWEN3_0_6B["num_hidden_layers"],
+    num_heads=QWEN3_0_6B["num_attention_heads"],
+    num_kv_heads=QWEN3_0_6B["num_key_value_heads"],
+    head_dim=QWEN3_0_6B["head_dim"],
+    intermediate_size=QWEN3_0_6B["intermediate_size"],
+    max_position_embeddings=QWEN3_0_6B["max_position_embeddings"],
 )
 BF16_BYTES = 2
 

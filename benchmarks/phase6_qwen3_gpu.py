@@ -21,6 +21,7 @@ import torch
 
 import phase6_qwen3
 from benchmarks.harness import (
+    QWEN3_0_6B,
     W_TEMPERATURE,
     Request,
     Timer,
@@ -30,18 +31,6 @@ from benchmarks.harness import (
     write_result,
 )
 
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-)
 TEMPERATURE = W_TEMPERATURE
 MAX_OUTPUT = 256  # W's outputs go to 1,024; capped so the static baseline ends in minutes
 QUICK_REQUESTS, QUICK_MAX_OUTPUT = 8, 32
@@ -51,7 +40,8 @@ def save_checkpoint(directory: Path, tokenizer_dir: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B)).to(torch.bfloat16)
+    shapes = {k: v for k, v in QWEN3_0_6B.items() if k != "model_type"}  # the class says it
+    model = Qwen3ForCausalLM(Qwen3Config(**shapes)).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, directory / name)

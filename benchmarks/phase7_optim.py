@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 
 import phase7_optim
-from benchmarks.harness import Request, Timer, seeded_workload, write_result
+from benchmarks.harness import QWEN3_0_6B, Request, Timer, workload_w, write_result
 from benchmarks.phase6_qwen3_gpu import (
     MAX_OUTPUT,
-    QWEN3_0_6B,
     TEMPERATURE,
     run_phase6,
     run_transformers,
@@ -296,7 +295,7 @@ def main():
         raise SystemExit("this benchmark needs a CUDA GPU")
     from tests.assets import qwen3_tokenizer_dir
 
-    full_w = seeded_workload(0, 256, (100, 1024), (100, 1024), 10001)  # workload W
+    full_w = workload_w()
     w = full_w[:SLICE] if args.quick else full_w
     capped = [Request(r.prompt_ids, min(r.max_tokens, MAX_OUTPUT)) for r in full_w[:SLICE]]
     kv_per_token = kv_bytes_per_token(QWEN3_0_6B)

@@ -33,14 +33,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import RESULTS_DIR, Timer, seeded_workload, write_result
+from benchmarks.harness import (
+    QWEN3_0_6B,
+    RESULTS_DIR,
+    Timer,
+    workload_w,
+    write_result,
+)
 
 MODELS = {  # config.json of each shape (random weights: the values do not matter)
-    "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
-                       hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       tie_word_embeddings=True, max_position_embeddings=40960,
-                       rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen3-0.6b": QWEN3_0_6B,
     "qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
                      hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -206,7 +208,7 @@ def run_one(run: Run) -> dict:
     q = QUICK if run.quick else {}
     hf = MODELS[run.model]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    workload = seeded_workload(0, 256, (100, 1024), (100, 1024), 10001)[: run.requests]
+    workload = workload_w()[: run.requests]
     max_out, max_prompt = q.get("max_output", 1024), q.get("max_prompt", 1024)
     prompts = [r.prompt_ids[:max_prompt] for r in workload]
     params = [SamplingParams(temperature=TEMPERATURE, max_tokens=min(r.max_tokens, max_out),

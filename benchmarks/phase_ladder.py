@@ -69,6 +69,7 @@ from benchmarks.harness import (  # noqa: E402
     workload_w,
     write_result,
 )
+from benchmarks.phase5_paged import MODEL  # noqa: E402  (phase 5's model: a TinyTransformer config)
 
 PHASES = {
     1: "phase1_naive",
@@ -81,16 +82,6 @@ PHASES = {
     8: "phase8_serving",
 }
 CHECKPOINT_PHASES = (6, 7, 8)  # LLM(path to a Hugging Face checkpoint)
-MODEL = {  # TinyTransformer's ModelConfig; phase 5's benchmark model
-    "vocab_size": 2048,
-    "hidden_size": 128,
-    "num_layers": 4,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "head_dim": 32,
-    "intermediate_size": 384,
-    "max_position_embeddings": 1024,
-}
 WEIGHT_SEED = 0
 CHECK_PROMPTS, CHECK_PROMPT_LEN, CHECK_TOKENS = 2, 16, 16  # the equivalence check's greedy decode
 # Phases 5-8: the requests share no prefix, and with the cache on a repeated run would find the

@@ -40,16 +40,20 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import add_thread_arg, set_threads, write_result
+from benchmarks.harness import QWEN3_0_6B, add_thread_arg, set_threads, write_result
 
+# Qwen3-0.6B's linear layers, from its shapes
+HIDDEN, INTERMEDIATE = QWEN3_0_6B["hidden_size"], QWEN3_0_6B["intermediate_size"]
+Q_DIM = QWEN3_0_6B["num_attention_heads"] * QWEN3_0_6B["head_dim"]
+KV_DIM = QWEN3_0_6B["num_key_value_heads"] * QWEN3_0_6B["head_dim"]
 # (in_features K, out_features N) of each linear layer
 SHAPES = {
     "square_4096": (4096, 4096),
-    "qwen3_0.6b_qkv_proj": (1024, (16 + 2 * 8) * 128),
-    "qwen3_0.6b_o_proj": (16 * 128, 1024),
-    "qwen3_0.6b_gate_up_proj": (1024, 2 * 3072),
-    "qwen3_0.6b_down_proj": (3072, 1024),
-    "qwen3_0.6b_lm_head": (1024, 151936),
+    "qwen3_0.6b_qkv_proj": (HIDDEN, Q_DIM + 2 * KV_DIM),
+    "qwen3_0.6b_o_proj": (Q_DIM, HIDDEN),
+    "qwen3_0.6b_gate_up_proj": (HIDDEN, 2 * INTERMEDIATE),
+    "qwen3_0.6b_down_proj": (INTERMEDIATE, HIDDEN),
+    "qwen3_0.6b_lm_head": (HIDDEN, QWEN3_0_6B["vocab_size"]),
 }
 BATCHES = tuple(2**i for i in range(11))  # 1 ... 1024
 QUICK_BATCHES = (1, 16, 256)

@@ -12,7 +12,7 @@ from .config import EngineConfig
 from .engine import LLM, CompletionOutput, LLMEngine, RequestOutput
 from .loader import CheckpointError, load_model
 from .model import ModelConfig, Qwen3ForCausalLM
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .tokenizer import Tokenizer
 from .trace import StepTrace
@@ -28,7 +28,6 @@ __all__ = [
     "ModelConfig",
     "Qwen3ForCausalLM",
     "RequestOutput",
-    "Sampler",
     "SamplingParams",
     "Sequence",
     "SequenceStatus",

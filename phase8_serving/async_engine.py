@@ -3,7 +3,8 @@
 Problem: `LLM.generate` takes a list of prompts known in advance and returns when all are done.
 A server's requests arrive one at a time, at any time, from clients that each wait on their own
 connection, want their tokens as soon as they exist, and may hang up halfway.
-Idea (vLLM's AsyncLLM): a background thread owns the `LLMEngine` and does nothing but step it.
+Idea (the shape of vLLM's AsyncLLM, whose engine core runs in another process; here, a thread):
+a background thread owns the `LLMEngine` and does nothing but step it.
 The event loop talks to that thread through one command queue (add, abort) and gets outputs back
 through one asyncio queue per request (`RequestStream`), filled with `call_soon_threadsafe`. A
 web server's handlers (the front desk) never touch the engine (the kitchen); they hand in orders

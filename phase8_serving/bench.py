@@ -36,11 +36,46 @@ PERCENTILES = (50, 90, 99)
 # workload W (nano-vllm's bench) uses ids below 10,000, which every tokenizer here has.
 RANDOM_TOKEN_ID_LIMIT = 10_000
 
+# Workload W, nano-vllm's bench.py workload: 256 requests, prompts of 100-1,024 random ids below
+# 10,001, max_tokens 100-1,024, ignore_eos, temperature 0.6. 142,827 prompt + 133,966 output tokens.
+W_NUM_REQUESTS = 256
+W_PROMPT_LEN = (100, 1024)
+W_OUTPUT_LEN = (100, 1024)
+W_ID_RANGE = 10001  # randint(0, 10000): ids 0..10000
+W_TEMPERATURE = 0.6
+
 
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_ids: list[int]
     max_tokens: int
+
+
+def seeded_workload(
+    seed: int,
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+) -> list[BenchRequest]:
+    """Random prompts (ids below `vocab_size`) and output lengths, both uniform in their inclusive
+    ranges, the same for the same arguments wherever they are drawn (the repository's benchmarks
+    draw theirs here too).
+
+    Drawn like nano-vllm's bench.py (all prompts first, then all output lengths), so that
+    workload W is `workload_w()`.
+    """
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randint(0, vocab_size - 1) for _ in range(rng.randint(*prompt_len))]
+        for _ in range(num_requests)
+    ]
+    max_tokens = [rng.randint(*output_len) for _ in range(num_requests)]
+    return [BenchRequest(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+
+
+def workload_w() -> list[BenchRequest]:
+    return seeded_workload(0, W_NUM_REQUESTS, W_PROMPT_LEN, W_OUTPUT_LEN, W_ID_RANGE)
 
 
 def random_dataset(
@@ -51,34 +86,28 @@ def random_dataset(
     seed: int,
     token_id_limit: int = RANDOM_TOKEN_ID_LIMIT,
 ) -> list[BenchRequest]:
-    """Prompts of random token ids, lengths uniform in [len * (1 - ratio), len * (1 + ratio)].
+    """vLLM's random dataset: lengths uniform in [len * (1 - ratio), len * (1 + ratio)].
 
     With input_len = output_len = 562 and range_ratio 0.82 the lengths span 101..1,022, the
-    shape of workload W (whose own generator lives in `benchmarks/harness.py`).
+    shape of workload W.
     """
     if not 0 <= range_ratio < 1:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     if token_id_limit < 1:
         raise ValueError(f"--random-token-id-limit must be >= 1, got {token_id_limit}")
-    rng = random.Random(seed)
 
-    def length(mean: int) -> int:
-        return rng.randint(max(1, int(mean * (1 - range_ratio))), int(mean * (1 + range_ratio)))
+    def span(mean: int) -> tuple[int, int]:
+        return max(1, int(mean * (1 - range_ratio))), int(mean * (1 + range_ratio))
 
-    return [
-        BenchRequest(
-            prompt_ids=[rng.randint(0, token_id_limit - 1) for _ in range(length(input_len))],
-            max_tokens=length(output_len),
-        )
-        for _ in range(num_prompts)
-    ]
+    return seeded_workload(seed, num_prompts, span(input_len), span(output_len), token_id_limit)
 
 
 def environment() -> dict:
-    """Date, commit, machine and versions for the JSON, as `benchmarks/harness.py` records them."""
+    """Date, commit, machine and versions: what every benchmark's JSON records beside its numbers
+    (the repository's benchmarks stamp theirs with this too)."""
     env = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("MINI_VLLM_COMMIT") or _git_commit(),
+        "commit": git_commit(),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -94,14 +123,18 @@ def environment() -> dict:
     return env
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str:
+    """The commit that ran. `MINI_VLLM_COMMIT` wins when set: a copied working tree (the GPU
+    box's) may carry a stale .git that would name an older commit."""
+    if os.environ.get("MINI_VLLM_COMMIT"):
+        return os.environ["MINI_VLLM_COMMIT"]
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
             cwd=Path(__file__).parent,
         )  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return "unknown"
     return out.stdout.strip()
 
 

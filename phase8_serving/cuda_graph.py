@@ -6,7 +6,7 @@ launch it, so the GPU waits on Python. At batch 1 that launch time is most of a 
 Idea (io_uring / DMA descriptor rings: describe the work once, then submit it with one call):
 record the kernels of a whole decode step once as a CUDA graph, then replay the recording each
 step. A replay reads its inputs from the same addresses every time, so the step's inputs are
-copied into static buffers first (model_runner.StepInputs), and a graph only fits the batch
+copied into static buffers first (input_batch.StepInputs), and a graph only fits the batch
 size it was captured with: decode steps are padded up to the next captured size (a bucket).
 
 Invariants:

@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .default_model import default_model_dir
-from .distributed import TensorParallel, start_workers
+from .distributed import TensorParallel
 from .loader import load_model, resolve_device, resolve_dtype, resolve_model_dir
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner
@@ -61,6 +61,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, check_conversations, find_stop_string
 from .trace import StepTrace
+from .worker import start_workers
 
 Prompt = str | list[int]  # text, or token ids
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
@@ -332,7 +333,7 @@ class LLM:
         device = resolve_device(device)
         resolve_dtype(dtype, device)  # raises on an unknown dtype
         model_dir = resolve_model_dir(default_model_dir() if model is None else model)
-        # Tensor parallelism (distributed.py): ranks 1.. load their shards in their own processes
+        # Tensor parallelism (worker.py): ranks 1.. load their shards in their own processes
         # and follow this one's steps; with one rank there is no process group at all.
         tp = TensorParallel(0, config.tensor_parallel_size)
         self.workers = None

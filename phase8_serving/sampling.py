@@ -176,61 +176,6 @@ class SamplingParams:
         )
 
 
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """True where a token falls outside the k largest logits. logits: (..., V)."""
-    kth_largest = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1:]
-    return logits < kth_largest
-
-
-# exercise 2.1: the top-p (nucleus) filter
-def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """True where a token falls outside the nucleus: the smallest top set with mass >= p."""
-    probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
-    drop_sorted = mass_before >= p  # the nucleus was already complete without this token
-    drop_sorted[..., 0] = False  # the top token stays even if p rounds to 0 in float32
-    return drop_sorted.scatter(-1, order, drop_sorted)
-
-
-def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """True where a token's probability is below min_p times the top token's."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    return probs < min_p * probs.max(dim=-1, keepdim=True).values
-
-
-def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The logits the sampler draws from: temperature-scaled, then min-p, top-k, top-p filtered
-    (vLLM's order); filtered tokens are set to -inf."""
-    logits = logits.float() / params.temperature
-    if params.min_p > 0.0:
-        logits = logits.masked_fill(min_p_mask(logits, params.min_p), float("-inf"))
-    if params.top_k is not None:
-        logits = logits.masked_fill(top_k_mask(logits, params.top_k), float("-inf"))
-    if params.top_p < 1.0:
-        logits = logits.masked_fill(top_p_mask(logits, params.top_p), float("-inf"))
-    return logits
-
-
-class Sampler:
-    """Draws tokens for one request with its own random stream."""
-
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
-        self.params = params
-        self.generator = torch.Generator(device=device)
-        if params.seed is None:
-            self.generator.seed()  # a fresh nondeterministic seed, not torch's fixed default
-        else:
-            self.generator.manual_seed(params.seed)
-
-    # exercise 2.2: drawing a token with the request's own generator
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: (V,) -> the chosen token id."""
-        if self.params.greedy:
-            return int(logits.argmax())
-        probs = torch.softmax(filtered_logits(logits, self.params), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
 @dataclass
 class SamplingBatch:
     """One step's sampling parameters as per-row tensors (R rows, on the logits' device)."""

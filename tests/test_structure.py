@@ -155,3 +155,54 @@ def test_importing_a_phase_only_defines_things():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == ""
+
+
+# Phases 7-8 are layered: a low-level module (the collectives, the layers, the kernels) never
+# imports a high-level one (the processes, the runner, the engine), not even inside a function or
+# for type checking. That is why tensor parallelism is two files: distributed.py (the collectives
+# every layer calls) and worker.py (the processes that drive a model runner).
+LAYERED_PHASES = ("phase7_optim", "phase8_serving")
+LOW_LEVEL = ("distributed", "linear", "embedding", "attention", "norm", "rope", "mlp", "decoder",
+             "model", "kv_cache", "kernels")  # fmt: skip
+IMPORTS = (ast.Import, ast.ImportFrom)
+HIGH_LEVEL = ("worker", "model_runner", "engine", "scheduler", "async_engine", "api_server", "cli")
+
+
+def phase_imports(path: Path, phase_dir: Path) -> set[str]:
+    """The modules of its own phase that `path` imports anywhere in it, by their first name
+    inside the phase (`from ..attention import X` in kernels/ -> "attention")."""
+    package = path.relative_to(phase_dir).parent.parts  # () for a top-level module
+    names = set()
+    imports = (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, IMPORTS))
+    for node in imports:
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = package[: len(package) - (node.level - 1)]
+            parts = (*base, *(node.module.split(".") if node.module else ()))
+            names.update([parts[0]] if parts else [a.name for a in node.names])
+        else:  # absolute: `import phase7_optim.engine`, `from phase7_optim.engine import X`
+            modules = [node.module] if isinstance(node, ast.ImportFrom) else []
+            modules += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for parts in (m.split(".") for m in modules if m):
+                if parts[0] == phase_dir.name and len(parts) > 1:
+                    names.add(parts[1])
+    return names
+
+
+@pytest.mark.parametrize("phase", LAYERED_PHASES)
+def test_low_level_modules_never_import_high_level_ones(phase):
+    phase_dir = ROOT / phase
+    for path in sorted(phase_dir.rglob("*.py")):
+        if path.relative_to(phase_dir).with_suffix("").parts[0] not in LOW_LEVEL:
+            continue
+        high = sorted(phase_imports(path, phase_dir) & set(HIGH_LEVEL))
+        assert not high, f"{path.relative_to(ROOT)} (low level) imports {high} (high level)"
+
+
+def test_the_layering_rule_sees_lazy_and_type_checking_imports(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "k.py").write_text("def f():\n    from ..model_runner import R\n")
+    (tmp_path / "linear.py").write_text("if TYPE_CHECKING:\n    from .worker import W\n")
+    (tmp_path / "mlp.py").write_text(f"import {tmp_path.name}.engine\nfrom . import scheduler\n")
+    assert phase_imports(tmp_path / "kernels" / "k.py", tmp_path) == {"model_runner"}
+    assert phase_imports(tmp_path / "linear.py", tmp_path) == {"worker"}
+    assert phase_imports(tmp_path / "mlp.py", tmp_path) == {"engine", "scheduler"}

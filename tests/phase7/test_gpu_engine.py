@@ -162,26 +162,38 @@ def test_gpu_graphs_and_eager_generate_the_same_tokens(checkpoint):
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_gpu_a_step_never_syncs_before_its_tokens_are_read(checkpoint, enforce_eager):
-    """Forward and sampling (greedy, temperature, top-k/top-p, seeded rows) queue on the device
-    with no host sync; the step's one sync is the `.tolist()` of its tokens."""
+    """Preparing a step's inputs, its forward and sampling (greedy, temperature, top-k/top-p,
+    seeded rows) queue on the device with no host sync; the step's one sync is the `.tolist()` of
+    its tokens. `prepare` also waits on an event (the previous step's input copies, before their
+    host buffers are rewritten), which the sync debug mode does not flag: the test checks that
+    the event is complete by then, so that wait never blocks."""
     llm = LLM(checkpoint, dtype="bfloat16", max_num_seqs=8, enforce_eager=enforce_eager)
     engine, runner = llm.engine, llm.engine.runner
     kinds = [greedy(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=9, seed=3),
              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=9)]  # fmt: skip
     for i, p in enumerate(prompts()[:6]):
         engine.add_request(p, kinds[i % 3])
-    execute, calls = runner.execute, []
+    calls = []
 
-    def execute_without_syncs(*args):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
-        try:
-            calls.append(1)
-            return execute(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def without_syncs(method):
+        def wrapped(*args):
+            torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+            try:
+                calls.append(method.__name__)
+                return method(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
 
-    runner.execute = execute_without_syncs
+        return wrapped
+
+    prepare_without_syncs = without_syncs(runner.prepare)
+
+    def prepare(*args):
+        assert runner.inputs.copied.query()  # the last step's input copies are done: no wait
+        return prepare_without_syncs(*args)
+
+    runner.prepare = prepare
+    runner.execute = without_syncs(runner.execute)
     for _ in range(12):  # chunked prefills beside decodes (budget 256), then decode steps
         engine.step()
-    assert len(calls) == 12
+    assert calls == ["prepare", "execute"] * 12

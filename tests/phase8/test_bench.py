@@ -3,6 +3,7 @@ throughput and latency benchmarks on the tiny checkpoint, each through the comma
 
 import json
 
+from phase8_serving.bench import random_dataset, workload_w
 from phase8_serving.cli import main
 
 TOKEN_ID_LIMIT = "256"  # the tiny checkpoint's byte tokens (its vocabulary is 259)
@@ -48,3 +49,20 @@ def test_bench_throughput_and_latency_run_the_engine(tiny_dir, tmp_path):
           "--out", str(tmp_path / "latency.json")])  # fmt: skip
     latency = json.loads((tmp_path / "latency.json").read_text())
     assert len(latency["latencies_s"]) == 2 and latency["avg_latency_s"] > 0
+
+
+def test_workload_w_is_nano_vllms():
+    """The one definition of workload W (the repository's benchmarks import it from here)
+    draws nano-vllm's published token counts."""
+    w = workload_w()
+    assert len(w) == 256
+    assert sum(len(r.prompt_ids) for r in w) == 142_827
+    assert sum(r.max_tokens for r in w) == 133_966
+
+
+def test_random_dataset_lengths_span_the_range_ratio():
+    requests = random_dataset(64, 100, 10, 0.5, seed=1, token_id_limit=7)
+    assert {len(r.prompt_ids) for r in requests} <= set(range(50, 151))
+    assert {r.max_tokens for r in requests} <= set(range(5, 16))
+    assert max(t for r in requests for t in r.prompt_ids) < 7
+    assert requests == random_dataset(64, 100, 10, 0.5, seed=1, token_id_limit=7)

@@ -39,19 +39,27 @@ def spread_dir(tmp_path_factory):
     )
 
 
-def outputs(module, directory, engine_kwargs: dict, **params):
-    llm = module.LLM(directory, dtype="float32", device="cpu", **engine_kwargs)
+def outputs(module, directory, engine_kwargs: dict, trace=None, **params):
+    llm = module.LLM(directory, dtype="float32", device="cpu", trace=trace, **engine_kwargs)
     sampling = module.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **params)
     return [o.outputs[0] for o in llm.generate(PROMPTS, sampling, use_tqdm=False)]
+
+
+def num_preemptions(trace) -> int:
+    return sum(len(step.preempted) for step in trace.steps)
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
 def test_token_ids_equal_phase7(name, sampling, spread_dir):
     config, params = ENGINE_CONFIGS[name], SAMPLING[sampling]
-    expected = [o.token_ids for o in outputs(phase7_optim, spread_dir, config, **params)]
+    traces = phase7_optim.StepTrace(), phase8_serving.StepTrace()
+    expected = [o.token_ids for o in outputs(phase7_optim, spread_dir, config, traces[0], **params)]
     assert len({tuple(ids) for ids in expected}) == len(PROMPTS)  # the prompts matter
-    assert [o.token_ids for o in outputs(phase8_serving, spread_dir, config, **params)] == expected
+    actual = outputs(phase8_serving, spread_dir, config, traces[1], **params)
+    assert [o.token_ids for o in actual] == expected
+    if name == "heavy_preemption":  # the case compares what it names: both engines preempted
+        assert num_preemptions(traces[0]) > 0 and num_preemptions(traces[1]) > 0
 
 
 def test_logprobs_change_no_token(spread_dir):
