@@ -43,18 +43,19 @@ def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-def seeded(seed: int) -> SamplingParams:
+def seeded(seed: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.9, top_k=64, seed=seed, max_tokens=MAX_TOKENS,
-                          ignore_eos=True)  # fmt: skip
+                          ignore_eos=True, **kwargs)  # fmt: skip
 
 
-def workload(stop_token: int) -> list[SamplingParams]:
+def workload(stop_tokens: tuple[int, int]) -> list[SamplingParams]:
+    greedy_stop, seeded_stop = stop_tokens
     return [
         greedy(),
         seeded(7),
-        greedy(stop_token_ids=[stop_token]),  # stops early, one step late under overlap
+        greedy(stop_token_ids=[greedy_stop]),  # stops early, one step late under overlap
         greedy(max_tokens=1),
-        seeded(8),
+        seeded(8, stop_token_ids=[seeded_stop]),  # its extra draw comes after its last token
         seeded(9),
         greedy(),
     ]
@@ -140,35 +141,38 @@ def run(model_dir, monkeypatch, params, async_scheduling: bool, **engine_kwargs)
 
 
 @pytest.fixture(scope="module")
-def stop_token(tiny_qwen3_tied_dir) -> int:
+def stop_tokens(tiny_qwen3_tied_dir) -> tuple[int, int]:
+    """The tokens requests 2 (greedy) and 4 (seeded) produce at position STOP_AT."""
     llm = LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu")
-    out = llm.generate([PROMPTS[2]], greedy(), use_tqdm=False)[0].outputs[0].token_ids
-    return out[STOP_AT]
+    outs = llm.generate([PROMPTS[2], PROMPTS[4]], [greedy(), seeded(8)], use_tqdm=False)
+    return tuple(out.outputs[0].token_ids[STOP_AT] for out in outs)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_overlap_gives_the_tokens_of_the_engine_without_it(
-    tiny_qwen3_tied_dir, monkeypatch, stop_token, config
+    tiny_qwen3_tied_dir, monkeypatch, stop_tokens, config
 ):
-    params = workload(stop_token)
+    params = workload(stop_tokens)
     kwargs = CONFIGS[config]
     want, want_seen, want_preempted, _ = run(tiny_qwen3_tied_dir, monkeypatch, params, False,
                                               **kwargs)  # fmt: skip
     got, seen, preempted, _ = run(tiny_qwen3_tied_dir, monkeypatch, params, True, **kwargs)
     assert got == want
     assert seen == want_seen and len(seen) == ABORT_AFTER and ABORTED not in got
-    tokens, reason = got[2]
-    assert reason == "stop" and len(tokens) <= STOP_AT + 1 and tokens[-1] == stop_token
+    for index, stop_token in zip((2, 4), stop_tokens, strict=True):
+        tokens, reason = got[index]
+        assert reason == "stop" and len(tokens) <= STOP_AT + 1 and tokens[-1] == stop_token
     assert len(got[3][0]) == 1
     assert (preempted > 0) == (config != "roomy") and (want_preempted > 0) == (preempted > 0)
 
 
 def test_a_stop_is_seen_one_step_late_and_max_tokens_never(tiny_qwen3_tied_dir, monkeypatch,
-                                                         stop_token):  # fmt: skip
+                                                         stop_tokens):  # fmt: skip
     """Alone, a request stopping at its k-th token runs k + 1 steps under overlap (the extra
     token is dropped); one ending at max_tokens runs exactly max_tokens steps either way."""
     prompt = PROMPTS[2]
-    for params, extra in ((greedy(stop_token_ids=[stop_token]), 1), (greedy(max_tokens=5), 0)):
+    stop = greedy(stop_token_ids=[stop_tokens[0]])
+    for params, extra in ((stop, 1), (greedy(max_tokens=5), 0)):
         launches = {}
         for overlap in (False, True):
             llm = LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu",
@@ -191,8 +195,9 @@ def test_the_next_step_is_launched_before_this_one_is_read(tiny_qwen3_tied_dir, 
         watch = Watch(llm.engine, patch)
         llm.generate(PROMPTS[:4], greedy(max_tokens=8), use_tqdm=False)
     launched = [i for kind, i in watch.events if kind == "launch"]
+    reads = [i for kind, i in watch.events if kind == "read"]
+    assert len(launched) == 8 and sorted(reads) == sorted(launched)  # each step read once
     position = {event: n for n, event in enumerate(watch.events)}
-    assert len(launched) == 8 and len(position) == 2 * len(launched)  # each read once
     for step, after in zip(launched[:-1], launched[1:], strict=True):
         launch_after, read = position[("launch", after)], position[("read", step)]
         assert (launch_after < read) == overlap
