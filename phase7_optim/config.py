@@ -6,19 +6,39 @@ type when the config is built (a bool is not a count, 2.5 is not a count either)
 naming the field, so a bad setting fails before any model is loaded or any step runs.
 
 Phase 7: `enforce_eager` turns CUDA graphs off (they only exist on CUDA anyway); slots are int32
-on the device (attention.py), so the cache holds fewer than 2**31 of them. `async_scheduling`
-(vLLM's name) overlaps the host's work on the next step with the device's on this one (engine.py);
-None turns it on where the device runs asynchronously (CUDA) and off elsewhere, where it could
-only cost an extra step per stopped request.
+on the device (attention.py), so the cache holds fewer than 2**31 of them. What a GPU can hold is
+not known until the model is on it: `num_kv_blocks` left unset is sized at start-up from
+`gpu_memory_utilization` on CUDA and from `kv_cache_memory_bytes` on CPU (kv_cache_config.py:
+the result is a `KVCacheConfig`, never written back here), and `max_num_seqs` and
+`max_num_batched_tokens` left unset take the device's defaults (`for_device`: vLLM's on CUDA).
+`async_scheduling` (vLLM's name) overlaps the host's work on the next step with the device's on
+this one (engine.py); unset, it is on where the device runs behind the host (CUDA) and off on
+CPU, where it could only cost an extra step per stopped request.
 """
 
 import enum
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, fields, replace
 
 MAX_KV_SLOTS = 2**31 - 1  # slot ids travel to the kernels as int32
 # Tensor parallelism: "auto" reads the checkpoint's safetensors, "dummy" (vLLM's name) random
 # weights of its config.json, built on each rank's shard (loader.py).
 LOAD_FORMATS = ("auto", "dummy")
+OPTIONAL_INT = int | None  # a count the engine chooses when it is None
+OPTIONAL_BOOL = bool | None  # a switch the device's defaults set when it is None
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    async_scheduling: bool
+
+
+# vLLM's on a GPU (256 sequences; 16,384 batched tokens, its choice for large GPUs); on a CPU,
+# sizes a few cores get through in well under a second a step.
+GPU_DEFAULTS = DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=16384, async_scheduling=True)
+CPU_DEFAULTS = DeviceDefaults(max_num_seqs=16, max_num_batched_tokens=256, async_scheduling=False)
 
 
 class PreemptionMode(enum.Enum):
@@ -30,9 +50,10 @@ class PreemptionMode(enum.Enum):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 16  # requests running at once
-    max_num_batched_tokens: int = 256  # tokens one step may compute (the per-step token budget)
-    num_kv_blocks: int = 512  # KV cache capacity, in blocks (per layer)
+    # None: the device's default (`for_device`)
+    max_num_seqs: int | None = None  # requests running at once
+    max_num_batched_tokens: int | None = None  # tokens one step may compute (the token budget)
+    num_kv_blocks: int | None = None  # KV cache capacity, in blocks (per layer); None: sized
     block_size: int = 16  # tokens per block
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -41,28 +62,39 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly (vLLM's name)
     tensor_parallel_size: int = 1  # ranks (GPUs) splitting the model: distributed.py
     load_format: str = "auto"  # LOAD_FORMATS
-    async_scheduling: bool | None = None  # overlap scheduling; None: on for CUDA, off elsewhere
+    # How num_kv_blocks is sized when unset (vLLM's names): the KV cache takes
+    # kv_cache_memory_bytes per rank when set; otherwise on CUDA what is left of the GPU's
+    # memory times gpu_memory_utilization after the weights and the largest step, on CPU a fixed
+    # budget (kv_cache_config.py).
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    async_scheduling: bool | None = None  # overlap scheduling (engine.py); None: device default
 
-    @property
-    def num_kv_slots(self) -> int:
-        return self.num_kv_blocks * self.block_size
+    def for_device(self, device_type: str) -> "EngineConfig":
+        """This config with the device's defaults where it leaves the batch sizes or
+        `async_scheduling` unset."""
+        defaults = GPU_DEFAULTS if device_type == "cuda" else CPU_DEFAULTS
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        overlap = self.async_scheduling
+        return replace(
+            self,
+            max_num_seqs=defaults.max_num_seqs if seqs is None else seqs,
+            max_num_batched_tokens=defaults.max_num_batched_tokens if tokens is None else tokens,
+            async_scheduling=defaults.async_scheduling if overlap is None else overlap,
+        )
 
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.type is bool and not isinstance(value, bool):
+            optional_bool = field.type == OPTIONAL_BOOL and value is not None
+            if (field.type is bool or optional_bool) and not isinstance(value, bool):
                 raise TypeError(f"EngineConfig.{field.name} must be a bool, got {value!r}")
-            if field.type is int:
+            if field.type is int or (field.type == OPTIONAL_INT and value is not None):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"EngineConfig.{field.name} must be an int, got {value!r}")
                 minimum = 0 if field.name == "num_cpu_kv_blocks" else 1  # no CPU pool is valid
                 if value < minimum:
                     raise ValueError(f"EngineConfig.{field.name} must be >= {minimum}, got {value}")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise TypeError(
-                "EngineConfig.async_scheduling must be a bool or None, "
-                f"got {self.async_scheduling!r}"
-            )
         modes = [m.value for m in PreemptionMode]
         if self.preemption_mode not in modes + list(PreemptionMode):
             raise ValueError(
@@ -76,12 +108,20 @@ class EngineConfig:
                 "EngineConfig.preemption_mode 'swap' needs tensor_parallel_size 1: the other "
                 "ranks would not copy their KV heads"
             )
-        if self.num_kv_slots > MAX_KV_SLOTS:
+        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size > MAX_KV_SLOTS:
             raise ValueError(
                 f"EngineConfig.num_kv_blocks * block_size must be <= {MAX_KV_SLOTS} (int32 slot "
-                f"ids), got {self.num_kv_slots}"
+                f"ids), got {self.num_kv_blocks * self.block_size}"
             )
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"EngineConfig.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
             )
+
+
+def check_gpu_memory_utilization(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"EngineConfig.gpu_memory_utilization must be a number, got {value!r}")
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {value}")

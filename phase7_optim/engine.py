@@ -30,7 +30,8 @@ milliseconds. Text is what costs: detokenizing every token of every request each
 microseconds a request. So a request's text is caught up only when someone reads it: every step
 for a request with stop strings (they are searched in the text), otherwise when an output is
 built. `LLM.generate` asks for final outputs only (`RequestOutputKind.FINAL_ONLY`, vLLM's name),
-so a request without stop strings is detokenized once, when it finishes.
+so a request without stop strings is detokenized once, when it finishes. The KV cache is sized
+when the engine starts, from the device's memory (kv_cache_config.py), and its capacity logged.
 
 Overlap scheduling (`async_scheduling`, vLLM's; SGLang's overlap scheduler): the host's share of
 a step (schedule, prepare, launch, then read the tokens, append them, check stops) leaves the
@@ -64,6 +65,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .default_model import default_model_dir
 from .distributed import TensorParallel
+from .kv_cache_config import determine_kv_cache_config, log_kv_cache
 from .loader import load_model, resolve_device, resolve_dtype, resolve_model_dir
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner, SampledTokens
@@ -142,20 +144,21 @@ class LLMEngine:
             raise TypeError(f"tokenizer must be a Tokenizer, got {type(tokenizer).__name__}")
         check_optional("config", config, EngineConfig)
         check_optional("trace", trace, StepTrace)
-        self.config = config or EngineConfig()
+        device = next(model.parameters()).device
+        self.config = (config or EngineConfig()).for_device(device.type)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids
         self.trace = trace
+        # Sized from the device's memory (kv_cache_config.py); never written into the config.
+        self.kv_cache_config = determine_kv_cache_config(model, self.config)
+        log_kv_cache(self.kv_cache_config, device.type, model.config.max_position_embeddings)
         self.block_manager = BlockManager(
-            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching,
-            self.config.num_cpu_kv_blocks,
+            self.kv_cache_config.num_blocks, self.config.block_size,
+            self.config.enable_prefix_caching, self.config.num_cpu_kv_blocks,
         )  # fmt: skip
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(model, self.config, self.block_manager)
-        self.async_scheduling = self.config.async_scheduling
-        if self.async_scheduling is None:  # on where the device runs behind the host
-            self.async_scheduling = self.runner.device.type == "cuda"
+        self.runner = ModelRunner(model, self.config, self.block_manager, self.kv_cache_config)
         self.in_flight: InFlightStep | None = None  # async scheduling: the step the device runs
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -179,10 +182,10 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context ({self.model.config.max_position_embeddings})"
             )
-        if max_len > self.config.num_kv_slots:
+        if max_len > self.kv_cache_config.num_tokens:
             raise ValueError(
                 f"prompt + max_tokens ({max_len}) can never fit in the KV cache "
-                f"({self.config.num_kv_slots} slots)"
+                f"({self.kv_cache_config.num_tokens} slots)"
             )
         if not self.config.enable_chunked_prefill and max_len > self.config.max_num_batched_tokens:
             raise ValueError(
@@ -257,7 +260,7 @@ class LLMEngine:
         updated, finished = self._process(previous, launched) if previous else ([], [])
         if launched is not None:
             self._update_after_launch(launched)
-            if self.async_scheduling:
+            if self.config.async_scheduling:
                 self.in_flight = launched
             else:
                 more_updated, more_finished = self._process(launched, None)
@@ -395,6 +398,7 @@ class LLM:
         check_optional("trace", trace, StepTrace)
         device = resolve_device(device)
         resolve_dtype(dtype, device)  # raises on an unknown dtype
+        config = config.for_device(device.type)  # every rank gets the same batch sizes
         model_dir = resolve_model_dir(default_model_dir() if model is None else model)
         # Tensor parallelism (worker.py): ranks 1.. load their shards in their own processes
         # and follow this one's steps; with one rank there is no process group at all.

@@ -42,6 +42,7 @@ from .config import EngineConfig
 from .cuda_graph import DecodeGraphs, decode_buckets
 from .input_batch import HostBlockTables, PreparedStep, StepInputs, send_step
 from .kv_cache import KVCache, copy_blocks
+from .kv_cache_config import KVCacheConfig
 from .model import Qwen3ForCausalLM
 from .sampling import SamplingBatch, sample_batch
 from .sequence import Sequence
@@ -69,15 +70,21 @@ class SampledTokens:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig, block_manager: BlockManager):
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        config: EngineConfig,  # its batch sizes resolved (`for_device`)
+        block_manager: BlockManager,
+        kv_cache_config: KVCacheConfig,
+    ):
         self.model = model
         self.block_manager = block_manager
         self.device = next(model.parameters()).device
         c = model.config
         dtype = model.lm_head.weight.dtype
         self.kv_cache = KVCache(
-            c.num_layers, config.num_kv_blocks, config.block_size, model.num_kv_heads_per_rank,
-            c.head_dim, dtype, self.device,
+            c.num_layers, kv_cache_config.num_blocks, config.block_size,
+            model.num_kv_heads_per_rank, c.head_dim, dtype, self.device,
         )  # fmt: skip
         self.cpu_kv_cache = KVCache(  # where swapped-out sequences' blocks wait
             c.num_layers, config.num_cpu_kv_blocks, config.block_size, model.num_kv_heads_per_rank,
@@ -85,7 +92,8 @@ class ModelRunner:
         )  # fmt: skip
         self.block_size = config.block_size
         # A block table never outgrows the model's context (the engine rejects longer requests).
-        self.max_blocks = -(-min(c.max_position_embeddings, config.num_kv_slots) // self.block_size)
+        max_len = min(c.max_position_embeddings, kv_cache_config.num_tokens)
+        self.max_blocks = -(-max_len // self.block_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = StepInputs(max_tokens, config.max_num_seqs, self.max_blocks, self.block_size,
                                  self.device)  # fmt: skip

@@ -9,7 +9,10 @@
 
 Every `EngineConfig` field is a flag of its own (`max_num_seqs` -> `--max-num-seqs`), derived
 from the dataclass, so a knob added to the engine is a flag here without touching this file
-(phase 7's `--tensor-parallel-size`, `--load-format`, `--enforce-eager` among them).
+(phase 7's `--tensor-parallel-size`, `--load-format`, `--enforce-eager`, and the KV cache's
+`--gpu-memory-utilization`, `--kv-cache-memory-bytes`, `--num-kv-blocks` among them; vLLM's
+`--num-gpu-blocks-override` is another name for the last). A field that may be None (the engine
+chooses) is a flag that may be left out.
 Subcommands live in `SUBCOMMANDS`: one function each that adds its parser and sets its handler.
 """
 
@@ -32,19 +35,29 @@ DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no TLS
 DEFAULT_PORT = 8000
 
 
+# vLLM's other name for a flag, where it has one that differs from the field's.
+FLAG_ALIASES = {"num_kv_blocks": ("--num-gpu-blocks-override",)}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ()))
         if hints[f.name] is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
         elif isinstance(f.default, enum.Enum):  # the config takes the enum's values as strings
             choices = [m.value for m in type(f.default)]
-            parser.add_argument(flag, choices=choices, default=f.default.value)
+            parser.add_argument(*flags, choices=choices, default=f.default.value)
         else:
-            parser.add_argument(flag, type=hints[f.name], default=f.default)
+            parser.add_argument(*flags, type=value_type(hints[f.name]), default=f.default)
+
+
+def value_type(hint) -> type:
+    """`int | None` -> int: a flag left out keeps the default None (the engine chooses)."""
+    types = [t for t in typing.get_args(hint) if t is not type(None)]
+    return types[0] if types else hint
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -109,7 +122,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def resolve_max_model_len(engine: LLMEngine, requested: int | None) -> int:
     """The model's context, or less when asked; never more than the KV cache can ever hold."""
-    limit = min(engine.model.config.max_position_embeddings, engine.config.num_kv_slots)
+    limit = min(engine.model.config.max_position_embeddings, engine.kv_cache_config.num_tokens)
     if requested is None:
         return limit
     if not 2 <= requested <= limit:

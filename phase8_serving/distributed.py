@@ -5,8 +5,9 @@ partial results with the others' at fixed points of the forward pass.
 Idea (vLLM's `parallel_state` and communication ops, in a few functions): `TensorParallel` says
 which rank of how many this process is; every layer takes one and splits its weights with it;
 `all_reduce` sums the row-parallel layers' partial outputs and `all_gather_last_dim` puts the
-LM head's vocabulary slices side by side. NCCL over the GPUs' links on CUDA, gloo over TCP on
-CPU (so CI runs tensor parallelism). The processes that hold the ranks live in worker.py.
+LM head's vocabulary slices side by side; `min_over_ranks` makes the ranks agree on the size of
+the KV cache. NCCL over the GPUs' links on CUDA, gloo over TCP on CPU (so CI runs tensor
+parallelism). The processes that hold the ranks live in worker.py.
 
 This module is the low half of tensor parallelism: the layers import it, and it imports nothing
 of this package (a layer never depends on the processes or the runner that drive it).
@@ -68,6 +69,15 @@ def all_gather_last_dim(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def min_over_ranks(n: int, tp: TensorParallel, device: torch.device) -> int:
+    """The smallest of the ranks' n, on every rank."""
+    if tp.size == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

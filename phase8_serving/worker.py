@@ -10,8 +10,8 @@ shard. Each step, rank 0's model runner broadcasts the step's prepared input buf
 as rank 0 does); the all-reduces inside the layers meet, the LM head all-gathers the logits, and
 rank 0 samples. A worker never sees a sequence, a sampled token, or a scheduler.
 - The KV cache holds the same number of blocks on every rank (each block holds that rank's KV
-  heads), since the block manager on rank 0 hands out block ids valid everywhere: the config's
-  `num_kv_blocks`.
+  heads), since the block manager on rank 0 hands out block ids valid everywhere: each rank
+  sizes its cache from its own memory, and all take the minimum (kv_cache_config.py).
 - Shutdown: rank 0 broadcasts a stop message; each worker frees its runner (CUDA graphs hold NCCL
   work, so they go first), then leaves the process group; rank 0 joins the processes.
 
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .config import EngineConfig
 from .distributed import TensorParallel, free_port, init_process_group, rank_device
 from .input_batch import receive_step, send_stop
+from .kv_cache_config import determine_kv_cache_config
 from .loader import load_model, read_hf_config
 from .model import ModelConfig, Qwen3ForCausalLM
 from .model_runner import ModelRunner
@@ -46,7 +47,7 @@ class WorkerSpec:
     model_dir: str
     dtype: str | torch.dtype
     device_type: str  # "cuda" or "cpu"; rank r uses GPU r
-    config: EngineConfig
+    config: EngineConfig  # its batch sizes resolved, as rank 0's
     port: int
     num_threads: int  # torch intra-op threads, as rank 0's (CPU ranks share the cores)
 
@@ -118,7 +119,9 @@ def run_worker(tp: TensorParallel, spec: WorkerSpec) -> None:
     device = rank_device(torch.device(spec.device_type), tp.rank)
     init_process_group(tp, device, spec.port)
     loaded = load_model(spec.model_dir, spec.dtype, device, tp, spec.config.load_format)
-    runner = ModelRunner(loaded.model, spec.config, block_manager=None)  # never prepares a step
+    kv_cache_config = determine_kv_cache_config(loaded.model, spec.config)  # as rank 0 does
+    # never prepares a step: no block manager
+    runner = ModelRunner(loaded.model, spec.config, None, kv_cache_config)
     try:
         with torch.inference_mode():
             while (step := receive_step(runner.inputs)) is not None:

@@ -224,9 +224,32 @@ def test_gpu_overlap_gives_the_tokens_of_the_engine_without_it(checkpoint):
     for overlap in (False, True):
         llm = LLM(checkpoint, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=4096,
                   num_kv_blocks=1024, async_scheduling=overlap)  # fmt: skip
-        assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling is overlap
+        assert (
+            llm.engine.runner.graphs is not None and llm.engine.config.async_scheduling is overlap
+        )
         outs = llm.generate(prompts(), params, use_tqdm=False)
         tokens[overlap] = [o.outputs[0].token_ids for o in outs]
         del llm
     assert tokens[True] == tokens[False]
     assert [len(t) for t in tokens[True]] == [p.max_tokens for p in params]
+
+
+@pytest.mark.gpu
+def test_gpu_kv_cache_fills_gpu_memory_utilization(checkpoint):
+    """num_kv_blocks unset: after start-up, everything on the GPU (this engine, the CUDA context,
+    whatever else runs) comes to gpu_memory_utilization of it, less the room kept for the largest
+    step's activations (measured by the profiling step) and a block's rounding."""
+    utilization = 0.5
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    in_use_before = total - free  # other tests' leftovers, the CUDA context: the cache's too
+    llm = LLM(checkpoint, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=utilization)
+    kv = llm.engine.kv_cache_config
+    free, total = torch.cuda.mem_get_info()
+    budget = utilization * total
+    step_allowance = 4 * 2**30  # > the largest step (16,384 tokens, 256 sampled rows) here
+    late_allocations = 256 * 2**20  # the step buffers, libraries' workspaces made after the profile
+    assert budget - step_allowance <= total - free <= budget + late_allocations
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    assert kv.memory_bytes >= budget - in_use_before - weights - step_allowance
+    assert llm.engine.block_manager.num_free_blocks == kv.num_blocks

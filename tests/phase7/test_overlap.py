@@ -121,7 +121,7 @@ def run(model_dir, monkeypatch, params, async_scheduling: bool, **engine_kwargs)
     llm = LLM(model_dir, dtype="float32", device="cpu", trace=trace,
               async_scheduling=async_scheduling, **engine_kwargs)  # fmt: skip
     engine = llm.engine
-    assert engine.async_scheduling is async_scheduling
+    assert engine.config.async_scheduling is async_scheduling
     with monkeypatch.context() as patch:
         watch = Watch(engine, patch)
         ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
@@ -207,4 +207,7 @@ def test_async_scheduling_is_a_bool_or_none_and_off_on_cpu_by_default(tiny_qwen3
     with pytest.raises(TypeError, match="async_scheduling"):
         EngineConfig(async_scheduling=1)
     assert EngineConfig().async_scheduling is None
-    assert LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu").engine.async_scheduling is False
+    assert EngineConfig().for_device("cuda").async_scheduling is True
+    assert EngineConfig(async_scheduling=True).for_device("cpu").async_scheduling is True
+    llm = LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu")
+    assert llm.engine.config.async_scheduling is False

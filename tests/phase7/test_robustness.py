@@ -34,7 +34,7 @@ def expected(tiny_qwen3_tied_dir) -> list[list[int]]:
 def assert_recovered(llm: LLM, expected) -> None:
     manager = llm.engine.block_manager
     assert_engine_recovered(llm, PROMPTS, GREEDY, expected, lambda: manager.num_used_blocks)
-    assert manager.num_free_blocks == llm.engine.config.num_kv_blocks
+    assert manager.num_free_blocks == llm.engine.kv_cache_config.num_blocks
 
 
 BAD_SAMPLING = [

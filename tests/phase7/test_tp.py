@@ -4,7 +4,7 @@
   replicated KV heads are the ones their ranks' query heads read.
 - Layers (2 spawned processes): each parallel layer, loaded from the same full weights, gives the
   unsharded layer's output on every rank; a tiny Qwen3 (tied, with one KV head for 2 ranks, which
-  replicates it) loaded at TP=2 gives the TP=1 logits.
+  replicates it) loaded at TP=2 gives the TP=1 logits; the ranks agree on the smallest KV cache.
 - The engine: `LLM(..., tensor_parallel_size=2)` returns the same greedy tokens as TP=1, and
   `shutdown()` leaves no process and no process group.
 Rank 0 is always this test process and rank 1 a spawned one (starting Python and torch is most of
@@ -24,7 +24,13 @@ import torch.multiprocessing as mp
 
 from phase7_optim import LLM, SamplingParams
 from phase7_optim.attention import ForwardBatch
-from phase7_optim.distributed import SINGLE_RANK, TensorParallel, free_port, init_process_group
+from phase7_optim.distributed import (
+    SINGLE_RANK,
+    TensorParallel,
+    free_port,
+    init_process_group,
+    min_over_ranks,
+)
 from phase7_optim.embedding import ParallelLMHead, VocabParallelEmbedding
 from phase7_optim.kv_cache import KVCache
 from phase7_optim.linear import QKVParallelLinear, RowParallelLinear, WeightShard
@@ -184,6 +190,8 @@ def _rank_main(rank: int, size: int, port: int, mqa_dir: str) -> None:
     try:
         _check_layers(tp)
         _check_model(tp, mqa_dir)
+        # each rank sizes its KV cache from its own memory; all keep the smallest count
+        assert min_over_ranks(100 - rank, tp, torch.device("cpu")) == 100 - (size - 1)
     finally:
         dist.destroy_process_group()
 
@@ -275,7 +283,7 @@ def test_tp2_on_gpus_gives_tp1_greedy_tokens(tiny_dir):
     llm = LLM(tiny_dir, **ENGINE, device="cuda", tensor_parallel_size=TP)
     try:
         assert llm.engine.runner.graphs is not None, "decode steps replay CUDA graphs"
-        assert llm.engine.async_scheduling, "overlap scheduling is on by default on CUDA"
+        assert llm.engine.config.async_scheduling, "overlap scheduling is on by default on CUDA"
         assert greedy_tokens(llm) == want
     finally:
         llm.shutdown()

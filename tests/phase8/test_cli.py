@@ -44,6 +44,25 @@ def test_phase7_engine_flags_reach_the_config():
         build_parser().parse_args(["serve", "--preemption-mode", "drop"])
 
 
+def test_kv_cache_flags_reach_the_config():
+    config = EngineConfig(**engine_kwargs(build_parser().parse_args(["serve"])))
+    # sized at start-up, the device's default, vLLM's default
+    assert (config.num_kv_blocks, config.max_num_seqs, config.gpu_memory_utilization) == (
+        None, None, 0.9,
+    )  # fmt: skip
+    args = ["serve", "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "4096"]
+    config = EngineConfig(**engine_kwargs(build_parser().parse_args(args)))
+    assert (config.gpu_memory_utilization, config.kv_cache_memory_bytes) == (0.5, 4096)
+    for flag in ("--num-kv-blocks", "--num-gpu-blocks-override"):  # ours, and vLLM's name
+        config = EngineConfig(**engine_kwargs(build_parser().parse_args(["serve", flag, "7"])))
+        assert config.num_kv_blocks == 7
+
+
+def test_bad_gpu_memory_utilization_is_a_one_line_error(tiny_dir):
+    with pytest.raises(SystemExit, match="gpu_memory_utilization must be in"):
+        main(["generate", "hi", "--model", str(tiny_dir), "--gpu-memory-utilization", "1.5"])
+
+
 def test_bad_engine_flag_is_a_one_line_error(tiny_dir):
     with pytest.raises(SystemExit, match="max_num_seqs"):
         main(["generate", "hi", "--model", str(tiny_dir), "--max-num-seqs", "0"])
@@ -88,7 +107,8 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]  # free now; the server binds it right after
     command = [sys.executable, "-m", "phase8_serving", "serve", str(tiny_dir), "--port", str(port),
-               "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu"]  # fmt: skip
+               "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu",
+               "--num-kv-blocks", "24"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -111,3 +131,6 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
     finally:
         server.terminate()
         server.wait(timeout=30)
+    log = server.stderr.read().decode()  # vLLM's start-up lines: 24 blocks of 16, context 128
+    assert "CPU KV cache size: 384 tokens" in log
+    assert "Maximum concurrency for 128 tokens per request: 3.00x" in log
