@@ -44,10 +44,13 @@ request that reaches max_tokens is never scheduled past its last token (its leng
 advance), but a stop token or stop string is seen only after step N+1 was launched, possibly
 with the stopped request in it; that step's token for it is dropped and never reaches an output,
 and the request's blocks are freed once that step is done, never while it may still write them.
-Blocks enter the prefix cache once the step computing them is launched, for known tokens only. A
-seeded request's extra draw comes after its last real one, so its tokens are those of the
-engine without overlap. With `async_scheduling=False` each step's tokens are read right after
-its launch: the same code, with nothing in flight between steps.
+(Preemption is the one exception: the scheduler frees a victim's blocks while step N, which
+wrote them, may still run; their next writer is a step launched later, and the device runs steps
+in launch order.) Blocks enter the prefix cache once the step computing them is launched, for
+known tokens only: a step that reads them is launched later. A seeded request's extra draw comes
+after its last real one, so its tokens are those of the engine without overlap. With
+`async_scheduling=False` each step's tokens are read right after its launch: the same code, with
+nothing in flight between steps.
 """
 
 import atexit

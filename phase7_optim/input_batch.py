@@ -23,7 +23,9 @@ Invariants:
   (writes nowhere) and seq_len 0 (reads nothing), the convention of attention.py;
 - a host buffer is rewritten only after the copies that read it last step are done
   (`wait_for_copies`);
-- every rank receives the buffers a step reads, in the same order, so the forward passes agree.
+- every rank receives the buffers a step reads, in the same order, so the forward passes agree;
+  with overlap scheduling rank 0 fills the placeholder input ids on the device before it sends
+  them (model_runner.py), so the other ranks never need the sampled ids.
 """
 
 import enum
