@@ -150,6 +150,64 @@ def profile_steps(llm: phase7_optim.LLM, workload: list[Request], kv_per_token: 
     return {"steps": steps, **summarize(steps)}
 
 
+def overlap_row(checkpoint: Path, workload: list[Request]) -> dict:
+    """The ablation's `overlap` row: the workload with async scheduling off and on. Per step, the
+    wall time, the host's busy time (wall minus the time it waits for the device's tokens) and
+    that wait; what overlap hides is the wall time it saves, out of the host time it had."""
+    row = {}
+    for overlap in (False, True):
+        llm = make_llm(checkpoint, workload, async_scheduling=overlap)
+        run = throughput(llm, workload)
+        row["on" if overlap else "off"] = {"tok_s": run["tok_s"], "seconds": run["seconds"],
+                                           **step_waits(llm, workload)}  # fmt: skip
+        del llm
+        torch.cuda.empty_cache()
+    off, on = row["off"], row["on"]
+    row["speedup"] = on["tok_s"] / off["tok_s"]
+    row["hidden_host_s"] = off["wall_s"] - on["wall_s"]
+    row["hidden_host_share"] = row["hidden_host_s"] / off["host_s"]
+    print(
+        f"overlap off {off['tok_s']:8.0f} tok/s, host {off['mean_host_ms']:.2f} ms/step | on "
+        f"{on['tok_s']:8.0f} tok/s, host {on['mean_host_ms']:.2f} ms/step | hides "
+        f"{row['hidden_host_s']:.2f} s of {off['host_s']:.2f} s host time",
+        flush=True,
+    )
+    return row
+
+
+def step_waits(llm: phase7_optim.LLM, workload: list[Request]) -> dict:
+    """The workload once more, each step's wall time split into the time the host waits for a
+    step's tokens (`SampledTokens.tolist`) and the rest, the host's own work."""
+    from phase7_optim.model_runner import SampledTokens
+
+    engine, tolist, waits, walls = llm.engine, SampledTokens.tolist, [], []
+
+    def timed_tolist(sampled):
+        start = time.perf_counter()
+        tokens = tolist(sampled)
+        waits[-1] += time.perf_counter() - start
+        return tokens
+
+    for r, sp in zip(workload, sampling(workload), strict=True):
+        engine.add_request(r.prompt_ids, sp, output_kind=RequestOutputKind.FINAL_ONLY)
+    SampledTokens.tolist = timed_tolist
+    try:
+        while engine.has_unfinished_requests():
+            waits.append(0.0)
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+    finally:
+        SampledTokens.tolist = tolist
+    host = [wall - wait for wall, wait in zip(walls, waits, strict=True)]
+    return {
+        "steps": len(walls), "wall_s": sum(walls), "host_s": sum(host), "wait_s": sum(waits),
+        "mean_wall_ms": statistics.fmean(walls) * 1e3,
+        "mean_host_ms": statistics.fmean(host) * 1e3,
+        "mean_wait_ms": statistics.fmean(waits) * 1e3,
+    }  # fmt: skip
+
+
 def summarize(steps: list[dict]) -> dict:
     def kind(selected):
         if not selected:
@@ -445,6 +503,7 @@ def main():
         result["phase7_slice"] = throughput(llm, capped)
         del llm
         torch.cuda.empty_cache()
+        result.setdefault("ablation", {})["overlap"] = overlap_row(checkpoint, w)
         result["single_stream"] = {
             "eager": single_stream(checkpoint, enforce_eager=True),
             "graphs": single_stream(checkpoint, enforce_eager=False),

@@ -122,10 +122,11 @@ def test_gpu_kernel_engine_matches_the_fp32_torch_path(checkpoint):
 
 @pytest.mark.gpu
 def test_gpu_graph_replay_equals_eager_for_the_same_step(checkpoint):
-    """max_num_seqs 20 (not a power of two) and 19 sequences: bucket 20, one padded row."""
+    """max_num_seqs 20 (not a power of two) and 19 sequences: bucket 20, one padded row. Without
+    overlap scheduling, so that the step prepared by hand has no placeholders to fill."""
     llm = LLM(
         checkpoint, dtype="bfloat16", max_num_seqs=20, max_num_batched_tokens=2048,
-        num_kv_blocks=2048,
+        num_kv_blocks=2048, async_scheduling=False,
     )  # fmt: skip
     engine, runner = llm.engine, llm.engine.runner
     assert runner.graphs.buckets[-1] == 20
@@ -160,14 +161,19 @@ def test_gpu_graphs_and_eager_generate_the_same_tokens(checkpoint):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_gpu_a_step_never_syncs_before_its_tokens_are_read(checkpoint, enforce_eager):
+def test_gpu_a_step_never_syncs_before_its_tokens_are_read(
+    checkpoint, enforce_eager, async_scheduling
+):
     """Preparing a step's inputs, its forward and sampling (greedy, temperature, top-k/top-p,
     seeded rows) queue on the device with no host sync; the step's one sync is the `.tolist()` of
     its tokens. `prepare` also waits on an event (the previous step's input copies, before their
     host buffers are rewritten), which the sync debug mode does not flag: the test checks that
-    the event is complete by then, so that wait never blocks."""
-    llm = LLM(checkpoint, dtype="bfloat16", max_num_seqs=8, enforce_eager=enforce_eager)
+    the event is complete by then, so that wait never blocks. With overlap scheduling, `execute`
+    also gathers the previous step's sampled ids into the input ids: on the device, no sync."""
+    llm = LLM(checkpoint, dtype="bfloat16", max_num_seqs=8, enforce_eager=enforce_eager,
+              async_scheduling=async_scheduling)  # fmt: skip
     engine, runner = llm.engine, llm.engine.runner
     kinds = [greedy(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=9, seed=3),
              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=9)]  # fmt: skip
@@ -197,6 +203,35 @@ def test_gpu_a_step_never_syncs_before_its_tokens_are_read(checkpoint, enforce_e
     for _ in range(12):  # chunked prefills beside decodes (budget 256), then decode steps
         engine.step()
     assert calls == ["prepare", "execute"] * 12
+
+
+@pytest.mark.gpu
+def test_gpu_overlap_gives_the_tokens_of_the_engine_without_it(checkpoint):
+    """Overlap scheduling on and off, CUDA graphs on, bf16: greedy and seeded requests (the
+    exponential-race kernel, and the filtered path) get identical tokens. Every prompt fits the
+    first step's budget and max_tokens is the only stop, so both engines run the same batches
+    step for step (a stop token would give the overlapped engine one extra row for a step, and
+    a bucket of another size may round bf16 GEMMs differently): equality is exact."""
+    params = [
+        greedy(24),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=31, ignore_eos=True),
+        SamplingParams(
+            temperature=0.7, top_k=40, top_p=0.9, seed=12, max_tokens=17, ignore_eos=True
+        ),
+        greedy(1),
+    ] * 2
+    tokens = {}
+    for overlap in (False, True):
+        llm = LLM(checkpoint, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=4096,
+                  num_kv_blocks=1024, async_scheduling=overlap)  # fmt: skip
+        assert (
+            llm.engine.runner.graphs is not None and llm.engine.config.async_scheduling is overlap
+        )
+        outs = llm.generate(prompts(), params, use_tqdm=False)
+        tokens[overlap] = [o.outputs[0].token_ids for o in outs]
+        del llm
+    assert tokens[True] == tokens[False]
+    assert [len(t) for t in tokens[True]] == [p.max_tokens for p in params]
 
 
 @pytest.mark.gpu

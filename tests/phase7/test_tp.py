@@ -253,9 +253,12 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_tp2_engine_gives_tp1_greedy_tokens_and_shuts_down(tiny_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tp2_engine_gives_tp1_greedy_tokens_and_shuts_down(tiny_dir, async_scheduling):
+    """With overlap scheduling too: rank 0 fills the placeholders into its input ids on the device
+    before it broadcasts them, so the other ranks see the same ids without sampling."""
     want = greedy_tokens(LLM(tiny_dir, **ENGINE))
-    llm = LLM(tiny_dir, **ENGINE, tensor_parallel_size=TP)
+    llm = LLM(tiny_dir, **ENGINE, tensor_parallel_size=TP, async_scheduling=async_scheduling)
     try:
         assert greedy_tokens(llm) == want
     finally:
@@ -280,6 +283,7 @@ def test_tp2_on_gpus_gives_tp1_greedy_tokens(tiny_dir):
     llm = LLM(tiny_dir, **ENGINE, device="cuda", tensor_parallel_size=TP)
     try:
         assert llm.engine.runner.graphs is not None, "decode steps replay CUDA graphs"
+        assert llm.engine.config.async_scheduling, "overlap scheduling is on by default on CUDA"
         assert greedy_tokens(llm) == want
     finally:
         llm.shutdown()
