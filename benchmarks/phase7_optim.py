@@ -509,7 +509,7 @@ def main():
             "graphs": single_stream(checkpoint, enforce_eager=False),
         }
         if args.ablation:
-            result["ablation"] = ablation(checkpoint, w, levers)
+            result["ablation"].update(ablation(checkpoint, w, levers))
         if not args.quick:
             result["phase6_slice"] = run_phase6(checkpoint, capped)
             torch.cuda.empty_cache()
