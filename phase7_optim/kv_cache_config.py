@@ -23,6 +23,7 @@ Invariants: the cache has at least one block and fewer than 2**31 slots (config.
 every rank holds the same number of blocks.
 """
 
+import gc
 import logging
 import math
 from dataclasses import dataclass
@@ -147,6 +148,10 @@ def profile_memory(model: Qwen3ForCausalLM, config: EngineConfig) -> MemoryProfi
     """Runs the profiling step on the model's GPU and measures what it and everything else use."""
     device = next(model.parameters()).device
     torch.cuda.synchronize(device)
+    # An engine dropped just before (its CUDA graphs, caches and runner hold reference cycles) is
+    # memory only the garbage collector gives back; counted as "everything else" it would leave
+    # this one no room.
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
