@@ -13,9 +13,11 @@ Workload (Qwen3-0.6B attention: 16 query heads, 8 KV heads, head_dim 128, bf16, 
   the same run (bytes read + written / time).
 Timing: triton.testing.do_bench, median, L2 flushed between repetitions.
 
-Run: python -m benchmarks.phase7_kernels [--out PATH] [--commit SHA]
+Writes phase7_kernels.json into --out.
+Run: python -m benchmarks.phase7_kernels [--out DIR] [--commit SHA]
 """
 
+import argparse
 import os
 
 import torch
@@ -256,12 +258,16 @@ def summarize(results):
     }
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--commit", default=os.environ.get("MINI_VLLM_COMMIT"))
-    args = parse_args(parser)
+    return parser
+
+
+def main():
+    args = parse_args(build_parser())
     if not torch.cuda.is_available():
-        parser.exit(0, "phase7_kernels needs a CUDA GPU; nothing to measure here\n")
+        raise SystemExit("phase7_kernels needs a CUDA GPU; nothing to measure here")
     torch.manual_seed(0)
     results = {
         "triton": triton.__version__,

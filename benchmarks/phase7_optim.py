@@ -14,9 +14,8 @@ weights' values) with the real Qwen3 tokenizer files beside it:
 Targets: W >= 20,000 output tok/s, single stream <= 1.0 ms/token; where short, the JSON says by
 how much and what bounds it.
 
-Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--out FILE]
-`--out` defaults to a scratch file; pass benchmarks/results/phase7_optim.json to publish. The PNG
-is written beside the JSON.
+Writes phase7_optim.json and phase7_optim.png into --out.
+Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--out DIR]
 """
 
 import argparse
@@ -28,7 +27,14 @@ from pathlib import Path
 import torch
 
 import phase7_optim
-from benchmarks.harness import Request, Timer, seeded_workload, write_result
+from benchmarks.harness import (
+    Request,
+    Timer,
+    benchmark_parser,
+    parse_args,
+    seeded_workload,
+    write_result,
+)
 from benchmarks.phase6_qwen3_gpu import (
     MAX_OUTPUT,
     QWEN3_0_6B,
@@ -278,20 +284,13 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    # --quick: the first 64 requests of W, no phase 6/transformers baselines
+    return benchmark_parser(__doc__, threads=False)
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="the first 64 requests of W, no phase 6/transformers baselines",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(tempfile.gettempdir()) / "phase7.json",
-        help="JSON path (a scratch file by default); the PNG goes beside it",
-    )
-    args = parser.parse_args()
+    args = parse_args(build_parser())
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     from tests.assets import qwen3_tokenizer_dir
@@ -337,6 +336,7 @@ def main():
             "block_size": BLOCK_SIZE,
         },
     }
+    result["quick"] = args.quick
     result["transformers"] = __import__("transformers").__version__
     result["triton"] = __import__("triton").__version__
     path = write_result("phase7_optim", result, args.out)

@@ -311,6 +311,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(batch.greedy, greedy_tokens, sampled)
 
 
+# exercise 8.2: presence, frequency and repetition penalties, batched
 def apply_penalties(
     logits: torch.Tensor,
     prompt_token_ids: Sequence[Sequence[int]],

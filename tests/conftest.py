@@ -41,10 +41,11 @@ def pytest_addoption(parser, pluginmanager):
     # A phase's own conftest (tests/phase6/conftest.py) imports the package while it loads, before
     # pytest_configure; this file loads first, so the workspace goes on sys.path here.
     config = pluginmanager.get_plugin("pytestconfig")
-    name = parser.parse_known_args(config.invocation_params.args).impl
+    args = config.invocation_params.args
+    name = parser.parse_known_args(args).impl
     if name:
-        try:
-            workspace = exercises.resolve_workspace(name)
+        try:  # a workspace may hold several phases: the tests named pick one
+            workspace = exercises.resolve_workspace(name, exercises.phases_named(args))
             exercises.activate_workspace(workspace)
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None

@@ -240,6 +240,20 @@ def test_paged_decode_split_k_matches_reference(dtype, num_heads, num_kv_heads, 
     check_decode(batch, num_splits)
 
 
+@interpreter
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_decode_padded_row_reads_nothing(num_splits):
+    """seq_len 0 (a CUDA graph's padding row, whose splits are all empty): output 0, never NaN,
+    and the real rows as without it."""
+    batch = make_paged_batch([1] * 3, [40, 0, 17], 4, 2, 32, 16, torch.float32, CPU)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, batch.scale)
+    expected = paged_decode_attention(*args, num_splits=num_splits)
+    batch.seq_lens[1] = 0
+    out = paged_decode_attention(*args, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[[0, 2]], expected[[0, 2]])
+
+
 def test_choose_num_splits_fills_the_gpu_without_tiny_splits():
     assert choose_num_splits(256, 8, 2048, num_sms=132) == 1  # the batch alone fills the SMs
     assert choose_num_splits(8, 8, 8192, num_sms=132) == 9  # a few long sequences: split
