@@ -3,6 +3,11 @@
 Triton kernels run on CPU tensors under the interpreter, and the interpreter must be switched on
 before any `@triton.jit` function is defined, so this happens here, first. GPU-only tests carry
 `@pytest.mark.gpu` and are skipped where no CUDA device exists.
+
+Tests marked `@pytest.mark.slow` (a real model on 30 float32 layers, processes spawned, long
+interpreter sweeps) run in CI, where the environment sets `CI` (.ci/run's test command is the
+README's), and wherever `--run-slow` or a `-m` expression naming `slow` asks; a learner's
+`pytest tests/phase7` skips them, saying so, and stays quick.
 """
 
 import os
@@ -18,12 +23,18 @@ if not torch.cuda.is_available():
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def runs_slow_tests(config) -> bool:
+    in_ci = os.environ.get("CI", "").lower() not in ("", "0", "false")
+    return in_ci or config.getoption("--run-slow") or "slow" in (config.option.markexpr or "")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    skip_slow = pytest.mark.skip(reason="slow: runs in CI, or here with --run-slow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the H200)")
     for item in items:
-        if "gpu" in item.keywords:
+        if "slow" in item.keywords and not runs_slow_tests(config):
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
 
 
@@ -33,6 +44,9 @@ IMPL_KEY = pytest.StashKey[exercises.Workspace]()
 
 
 def pytest_addoption(parser, pluginmanager):
+    parser.addoption(
+        "--run-slow", action="store_true", help="also run the tests marked slow (CI does)"
+    )
     parser.addoption(
         "--impl",
         metavar="WORKSPACE",

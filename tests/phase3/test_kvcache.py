@@ -109,6 +109,18 @@ def test_padding_query_sees_only_itself():
     assert hidden[3].tolist() == [True, True, False, False]
 
 
+def test_a_query_after_the_cache_sees_every_earlier_real_key():
+    """T new queries at the end of S positions: query i (position S - T + i) sees keys 0..its
+    own position, minus the padding; no padding query here, so nothing else is visible."""
+    padding = torch.tensor([[True, False, False, False, False, False]])
+    hidden = hidden_keys_mask(2, 6, padding, torch.device("cpu"))[0, 0]
+    assert hidden.tolist() == [
+        [True, False, False, False, False, True],  # position 4: keys 1-4
+        [True, False, False, False, False, False],  # position 5: keys 1-5
+    ]
+    assert hidden_keys_mask(3, 3, None, torch.device("cpu")).shape == (1, 1, 3, 3)
+
+
 @torch.no_grad()
 def test_batch_rows_equal_single_requests(model, oracle):
     batch = generate_batch(model, PROMPTS, GREEDY)
