@@ -15,10 +15,10 @@ from the dataclass, so a knob added to the engine is a flag here without touchin
 Subcommands live in `SUBCOMMANDS`: one function each that adds its parser and sets its handler.
 `--help` shows every default.
 
-The engine is imported inside the handlers, not at the top: `main` first sets OpenMP's wait
-policy to PASSIVE (unless the user chose one), which libgomp reads only once, when torch loads it.
-With the default (spinning) policy, two torch threads on a CPU shared with other work were some 3x
-slower (benchmarks/README.md, "Threads").
+The engine is imported inside the handlers, not at the top (and the package imports its names on
+first use): `main` first sets OpenMP's wait policy to PASSIVE unless the user chose one, which
+libgomp reads only once, when torch loads it. Spinning threads on a CPU shared with other work
+lose most of their time (benchmarks/README.md, "Threads").
 """
 
 from __future__ import annotations
