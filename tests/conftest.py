@@ -12,10 +12,16 @@ README's), and wherever `--run-slow` or a `-m` expression naming `slow` asks; a 
 
 import os
 
-import pytest
-import torch
+# libgomp reads its wait policy once, when torch loads it, so this comes before `import torch`:
+# threads that spin at every barrier lose most of their time when other work holds the cores
+# (benchmarks/README.md, "Threads"). The phase 7 suite on the shared 2-core machine (load 4-7):
+# 270 s with libgomp's default, 100 s with PASSIVE.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests import exercises
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests import exercises  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

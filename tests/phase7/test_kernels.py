@@ -180,10 +180,10 @@ PREFILL_CASES = {
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads, head_dim",
     [
-        (torch.float32, 2, 2, 64),  # MHA
+        pytest.param(torch.float32, 2, 2, 64, marks=pytest.mark.slow),  # MHA
         (torch.float32, 4, 2, 64),  # GQA 2
         (torch.float16, 4, 1, 32),  # GQA 4 (MQA)
-        (torch.float16, 2, 1, 128),
+        pytest.param(torch.float16, 2, 1, 128, marks=pytest.mark.slow),
     ],
 )
 def test_flash_prefill_matches_reference(case, dtype, num_heads, num_kv_heads, head_dim):
@@ -233,7 +233,9 @@ def test_chunked_prefill_through_the_cache_equals_one_shot_prefill():
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads", [(torch.float32, 2, 2), (torch.float16, 8, 1)]
 )
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])  # 8: splits past short sequences' end
+@pytest.mark.parametrize(  # 8: splits past short sequences' end
+    "num_splits", [None, pytest.param(1, marks=pytest.mark.slow), 3, 8]
+)
 def test_paged_decode_split_k_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
     context_lens = [0, 36, 99, 150]  # seq_lens 1, 37, 100, 151
     batch = make_paged_batch([1] * 4, context_lens, num_heads, num_kv_heads, 32, 16, dtype, CPU)

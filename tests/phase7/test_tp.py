@@ -245,6 +245,7 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow  # two spawned ranks over gloo; test_parallel_layers... covers the layers
 def test_tp2_engine_gives_tp1_greedy_tokens_and_shuts_down(tiny_dir):
     want = greedy_tokens(LLM(tiny_dir, **ENGINE))
     llm = LLM(tiny_dir, **ENGINE, tensor_parallel_size=TP)
