@@ -40,6 +40,7 @@ from .config import EngineConfig
 if typing.TYPE_CHECKING:
     from .engine import LLM, LLMEngine, Message, RequestOutput
     from .sampling import SamplingParams
+    from .tokenizer import Tokenizer
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no TLS
 DEFAULT_PORT = 8000
@@ -190,18 +191,9 @@ def generate(args: argparse.Namespace) -> None:
     params = sampling_params(args)  # before the slow load: a bad flag fails at once
     llm = load_llm(args)
     try:
-        tokenizer = llm.get_tokenizer()
-        if args.chat and tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template: pass --no-chat")
-        prompts = [
-            tokenizer.encode(
-                tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                add_special_tokens=False,  # the rendered template holds them
-            )
-            if args.chat
-            else p
-            for p in args.prompt
-        ]
+        prompts = (
+            [user_turn(llm.get_tokenizer(), p) for p in args.prompt] if args.chat else args.prompt
+        )
         outputs = generate_with_progress(llm.engine, prompts, params)
         for i, out in enumerate(outputs, start=1):
             completion = out.outputs[0]
@@ -210,6 +202,14 @@ def generate(args: argparse.Namespace) -> None:
             print(completion.text)
     finally:
         llm.shutdown()
+
+
+def user_turn(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`text` as one user message through the chat template, ready for the assistant's reply."""
+    if tokenizer.chat_template is None:
+        raise ValueError("this model has no chat template: pass --no-chat")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(rendered, add_special_tokens=False)  # the template holds them
 
 
 def generate_with_progress(

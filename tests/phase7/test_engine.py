@@ -128,15 +128,8 @@ ENGINE_CONFIGS = {
 }
 
 
-# The default configuration stays in a quick run; the rest are phase 6's suite again (phase 7 on
-# CPU runs phase 6's torch path, and test_cross_phase.py pins it to phase 6's tokens): CI only.
-QUICK_CONFIGS = {"default"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [n if n in QUICK_CONFIGS else pytest.param(n, marks=pytest.mark.slow) for n in ENGINE_CONFIGS],
-)
+@pytest.mark.slow  # phase 6's suite again: test_cross_phase.py pins phase 7 to phase 6's tokens
+@pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
 def test_greedy_batch_equals_transformers(name, tiny_qwen3_tied_dir, tiny_prompts, tied_oracle):
     # Submitted together, twice: the second copies hit the prefix cache the first ones filled.
     trace = StepTrace()

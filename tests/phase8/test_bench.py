@@ -3,6 +3,7 @@ throughput and latency benchmarks on the tiny checkpoint, each through the comma
 
 import json
 
+from phase8_serving.bench import offered_load
 from phase8_serving.cli import main
 
 TOKEN_ID_LIMIT = "256"  # the tiny checkpoint's byte tokens (its vocabulary is 259)
@@ -48,3 +49,16 @@ def test_bench_throughput_and_latency_run_the_engine(tiny_dir, tmp_path):
           "--out", str(tmp_path / "latency.json")])  # fmt: skip
     latency = json.loads((tmp_path / "latency.json").read_text())
     assert len(latency["latencies_s"]) == 2 and latency["avg_latency_s"] > 0
+
+
+def test_the_latency_plot_puts_the_offered_rate_on_its_x_axis():
+    """A noisy run can achieve less at a higher offered rate; plotted against what it achieved,
+    latency would seem to fall as load rises."""
+    runs = [
+        {"request_rate": 4.0, "request_throughput": 3.9},
+        {"request_rate": 8.0, "request_throughput": 3.1},  # achieved less than at 4
+        {"request_rate": "inf", "request_throughput": 3.5},
+    ]
+    x, labels = offered_load(runs)
+    assert x == sorted(x) and x[:2] == [4.0, 8.0] and x[2] > 8.0
+    assert labels == ["4", "8", "all at once"]
