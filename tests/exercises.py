@@ -366,7 +366,7 @@ def create_workspace(
     markers = [m for m in phase_markers(phase) if only is None or m.exercise_id in only]
     if only and {m.exercise_id for m in markers} != only:
         unknown = ", ".join(sorted(only - {m.exercise_id for m in markers}))
-        own = ", ".join(m.exercise_id for m in phase_markers(phase)) or "none"
+        own = ", ".join(sorted(m.exercise_id for m in phase_markers(phase))) or "none"
         raise ValueError(f"no exercise {unknown} in phase {phase} (its exercises: {own})")
     target = directory / package.name
     if target.exists():
