@@ -109,6 +109,14 @@ def fake_replies(*replies):
     return stream, seen
 
 
+def converse_or_fail(read) -> None:
+    """The chat loop; a KeyboardInterrupt escaping it would stop pytest itself, so it fails."""
+    try:
+        cli.converse(None, None, None, read)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the chat loop (a traceback for the user)")
+
+
 def test_chat_ctrl_c_cancels_the_reply_and_asks_again(monkeypatch, capsys):
     stream, seen = fake_replies(["Hel", KeyboardInterrupt()], ["Fine", "."])
     monkeypatch.setattr(cli, "stream_reply", stream)
@@ -121,7 +129,7 @@ def test_chat_ctrl_c_cancels_the_reply_and_asks_again(monkeypatch, capsys):
             raise EOFError
         return line
 
-    cli.converse(None, None, None, read)
+    converse_or_fail(read)
     out = capsys.readouterr().out
     assert "> Hel [cancelled]\n> Fine.\n> \n" in out  # Ctrl-D: the shell starts a new line
     assert seen == [["Hi"], ["How are you?"]]  # the cancelled turn is forgotten
@@ -131,7 +139,7 @@ def test_chat_ctrl_c_at_the_prompt_ends_quietly(capsys):
     def interrupted(prompt):
         raise KeyboardInterrupt
 
-    cli.converse(None, None, None, interrupted)
+    converse_or_fail(interrupted)
     assert capsys.readouterr().out.endswith("quits.\n\n")
 
 
