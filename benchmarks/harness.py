@@ -5,10 +5,11 @@ writes through `write_result`, which stamps all of that next to the measurements
 (workload W, threads, steady windows, same-run baselines) are written down in
 benchmarks/README.md.
 
-Every script takes the same options (`benchmark_parser`):
-- `--out DIR`: where the JSON (and PNG) go. The default is a scratch directory under the system
-  temp dir, so trying a benchmark never touches the repository; `--out benchmarks/results`
-  updates the committed results, and only then.
+Every script takes the same options: its `build_parser()` starts from `benchmark_parser`, and
+tests/test_benchmarks_cli.py holds every script to it.
+- `--out DIR`: the directory the JSON (and PNG) go into, named after the script. The default is
+  a scratch directory under the system temp dir, so trying a benchmark never touches the
+  repository; `--out benchmarks/results` updates the committed results, and only then.
 - `--quick`: a smaller run of the same measurement (seconds instead of minutes) to check that a
   script works; its JSON says `"quick": true` and its numbers are not the ones the READMEs quote.
 - `--threads N`: torch intra-op threads (CPU benchmarks).
@@ -102,6 +103,8 @@ def benchmark_parser(doc: str | None, threads: bool = True) -> argparse.Argument
 def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Parses, sets the torch thread count (if the parser has --threads), creates --out."""
     args = parser.parse_args()
+    if args.out.suffix == ".json":
+        parser.error(f"--out takes a directory (the script names its files), got {args.out}")
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
@@ -144,10 +147,9 @@ def environment() -> dict:
 
 
 def write_result(name: str, payload: dict, out: Path | None = None) -> Path:
-    """Writes `{name}.json` into the directory `out` (a path ending in .json is used as is);
-    by default into the scratch directory, never into the repository."""
-    out = out or SCRATCH_DIR
-    path = out if out.suffix == ".json" else out / f"{name}.json"
+    """Writes `{name}.json` into the directory `out`; by default into the scratch directory,
+    never into the repository."""
+    path = (out or SCRATCH_DIR) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, **environment(), **payload}, indent=2) + "\n")
     return path

@@ -10,6 +10,7 @@ Writes phase0_basics.json into --out.
 Run: python -m benchmarks.phase0_basics [--quick] [--out DIR] [--threads 2]
 """
 
+import argparse
 import time
 
 import torch
@@ -59,8 +60,12 @@ def qwen3_0_6b_params(untied_params: int, config: ModelConfig) -> int:
     return untied_params - lm_head + qk_norm
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return benchmark_parser(__doc__)
+
+
 def main():
-    args = parse_args(benchmark_parser(__doc__))
+    args = parse_args(build_parser())
     seq_lens = QUICK_SEQ_LENS if args.quick else SEQ_LENS
     repeats = QUICK_REPEATS if args.quick else REPEATS
     torch.manual_seed(0)

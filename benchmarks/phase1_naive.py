@@ -12,6 +12,8 @@ Writes phase1_naive.json (and phase1_naive.png with --plot) into --out.
 Run: python -m benchmarks.phase1_naive [--plot] [--quick] [--out DIR] [--threads 2]
 """
 
+import argparse
+
 import torch
 
 from benchmarks.harness import (
@@ -67,10 +69,14 @@ def plot(path, runs: list[list[float]], median: list[float]) -> None:
     plt.close(fig)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--plot", action="store_true", help="also write a PNG")
-    args = parse_args(parser)
+    return parser
+
+
+def main():
+    args = parse_args(build_parser())
     new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
     repeats = QUICK_REPEATS if args.quick else REPEATS
     torch.manual_seed(0)

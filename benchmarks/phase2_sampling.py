@@ -11,6 +11,7 @@ Writes phase2_sampling.json into --out.
 Run: python -m benchmarks.phase2_sampling [--quick] [--out DIR] [--threads 2]
 """
 
+import argparse
 import random
 import time
 
@@ -93,8 +94,12 @@ def forward_step_us(model: TinyTransformer, seq_len: int) -> float:
     return 1e6 * best
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return benchmark_parser(__doc__)
+
+
 def main():
-    args = parse_args(benchmark_parser(__doc__))
+    args = parse_args(build_parser())
     new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
     torch.manual_seed(SEED)
     config = ModelConfig()

@@ -13,6 +13,7 @@ Writes phase3_kvcache.json (and phase3_kvcache.png with --plot) into --out.
 Run: python -m benchmarks.phase3_kvcache [--plot] [--quick] [--out DIR] [--threads 2]
 """
 
+import argparse
 import time
 
 import torch
@@ -98,10 +99,14 @@ def static_batching(model, num_requests: int) -> dict:
     }
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--plot", action="store_true", help="also write a PNG")
-    args = parse_args(parser)
+    return parser
+
+
+def main():
+    args = parse_args(build_parser())
     new_tokens = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
     repeats = QUICK_REPEATS if args.quick else REPEATS
     # The static-batching workload reaches 256 + 256 positions, within PROMPT_LEN + NEW_TOKENS.

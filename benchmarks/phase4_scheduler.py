@@ -18,9 +18,7 @@ Run: python -m benchmarks.phase4_scheduler [--plot] [--threads 2] [--quick] [--t
 import argparse
 import collections
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -28,9 +26,9 @@ import phase3_kvcache
 import phase4_scheduler
 from benchmarks.harness import (
     Timer,
-    add_thread_arg,
+    benchmark_parser,
+    parse_args,
     seeded_workload,
-    set_threads,
     write_result,
 )
 
@@ -47,7 +45,6 @@ CHUNKED_BUDGET = 128  # max_num_batched_tokens with chunked prefill
 PREEMPTION_WORKLOAD = dict(seed=5, num_requests=8, prompt_len=(8, 24), output_len=(24, 64))
 PREVIOUS_SCHEDULER = {"commit": "e7e9f21", "steps": 281, "preemptions": 24, "worst_sequence": 8}
 QUICK = dict(num_requests=8, long_prompt=256)  # --quick: a smoke run, not a measurement
-DEFAULT_OUT = Path(tempfile.gettempdir()) / "mini-vllm-benchmarks"
 
 
 def greedy(mod, max_tokens: int):
@@ -146,16 +143,16 @@ def preemption_trace(model) -> tuple[dict, phase4_scheduler.StepTrace]:
     return info, trace
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--plot", action="store_true", help="also write the PNGs")
-    parser.add_argument("--quick", action="store_true", help="small workloads: a smoke run")
     parser.add_argument("--traces-only", action="store_true", help="only the two step traces")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the results")
-    args = add_thread_arg(parser).parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    return parser
+
+
+def main():
     load_before = os.getloadavg()[0]
-    set_threads(args.threads)
+    args = parse_args(build_parser())
     torch.manual_seed(0)
     model = phase4_scheduler.TinyTransformer(phase4_scheduler.ModelConfig(**MODEL)).eval()
     state = model.state_dict()
@@ -215,7 +212,7 @@ def main():
             },
             "preemption": preemption,
         },
-        args.out / "phase4_scheduler.json",
+        args.out,
     )
 
 

@@ -15,6 +15,7 @@ Writes phase5_paged.json and phase5_paged.png into --out.
 Run: python -m benchmarks.phase5_paged [--quick] [--out DIR] [--threads 2]
 """
 
+import argparse
 import random
 import time
 
@@ -231,8 +232,12 @@ def plot(path, util: dict, prefix: dict) -> None:
     plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return benchmark_parser(__doc__)
+
+
 def main():
-    args = parse_args(benchmark_parser(__doc__))
+    args = parse_args(build_parser())
     torch.manual_seed(0)
     state = p4.TinyTransformer(p4.ModelConfig(**MODEL)).state_dict()
     util = {}

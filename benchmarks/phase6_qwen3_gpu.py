@@ -13,6 +13,7 @@ Writes phase6_qwen3_gpu.json into --out.
 Run (on a CUDA machine): python -m benchmarks.phase6_qwen3_gpu [--requests 64] [--quick] [--out DIR]
 """
 
+import argparse
 import shutil
 import tempfile
 from pathlib import Path
@@ -87,10 +88,14 @@ def run_transformers(checkpoint: Path, workload) -> dict:
     return {"seconds": t.seconds, "output_tokens": tokens, "tok_s": tokens / t.seconds}
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--requests", type=int, default=64, help="first N requests of W")
-    args = parse_args(parser)
+    return parser
+
+
+def main():
+    args = parse_args(build_parser())
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     from tests.assets import qwen3_tokenizer_dir

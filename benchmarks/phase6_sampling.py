@@ -14,6 +14,7 @@ Writes phase6_sampling.json into --out.
 Run: python -m benchmarks.phase6_sampling [--quick] [--out DIR] [--threads 2]
 """
 
+import argparse
 import statistics
 
 import torch
@@ -61,8 +62,12 @@ def mean(values: list) -> float | None:
     return round(statistics.mean(values), 3) if values else None
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return benchmark_parser(__doc__)
+
+
 def main():
-    args = parse_args(benchmark_parser(__doc__))
+    args = parse_args(build_parser())
     from transformers import AutoModelForCausalLM
 
     from phase6_qwen3.default_model import default_model_dir

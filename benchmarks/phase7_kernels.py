@@ -21,9 +21,11 @@ Workload (Qwen3-0.6B attention: 16 query heads, 8 KV heads, head_dim 128, bf16, 
   they replace (add + RMSNorm; q/k norm + RoPE twice + KV store), µs per layer.
 Timing: triton.testing.do_bench, median, L2 flushed between repetitions.
 
+Writes phase7_kernels.json into --out.
 Run: python -m benchmarks.phase7_kernels [--out DIR] [--commit SHA] [--levers-only]
 """
 
+import argparse
 import os
 import random
 
@@ -450,7 +452,7 @@ def bench_fused(batch: int) -> dict:
     return {f"{name}_us": graph_ms_per_call([fn] * 28) * 1e3 for name, fn in calls.items()}
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--commit", default=os.environ.get("MINI_VLLM_COMMIT"))
     parser.add_argument(
@@ -461,9 +463,13 @@ def main():
         action="store_true",
         help="only decode at W's mix, the GEMV and the fused kernels (a few minutes)",
     )
-    args = parse_args(parser)
+    return parser
+
+
+def main():
+    args = parse_args(build_parser())
     if not torch.cuda.is_available():
-        parser.exit(0, "phase7_kernels needs a CUDA GPU; nothing to measure here\n")
+        raise SystemExit("phase7_kernels needs a CUDA GPU; nothing to measure here")
     torch.manual_seed(0)
     results = {
         "triton": triton.__version__,

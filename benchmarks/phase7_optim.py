@@ -18,9 +18,10 @@ weights' values) with the real Qwen3 tokenizer files beside it:
 Targets: W >= 20,000 output tok/s, single stream <= 1.0 ms/token; where short, the JSON says by
 how much and what bounds it.
 
-Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--ablation] [--out FILE]
-`--out` defaults to a scratch file; pass benchmarks/results/phase7_optim.json to publish. The PNG
-is written beside the JSON. `--ablation-only` runs 4. alone (with --quick, on W's first 64).
+Writes phase7_optim.json and phase7_optim.png into --out (`--ablation-only`:
+phase7_optim_ablation.json).
+Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--ablation] [--out DIR]
+`--ablation-only` runs 4. alone (with --quick, on W's first 64); `--levers` picks its rows.
 """
 
 import argparse
@@ -33,7 +34,15 @@ from pathlib import Path
 import torch
 
 import phase7_optim
-from benchmarks.harness import QWEN3_0_6B, Request, Timer, workload_w, write_result
+from benchmarks.harness import (
+    QWEN3_0_6B,
+    Request,
+    Timer,
+    benchmark_parser,
+    parse_args,
+    workload_w,
+    write_result,
+)
 from benchmarks.phase6_qwen3_gpu import (
     MAX_OUTPUT,
     TEMPERATURE,
@@ -449,19 +458,9 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="the first 64 requests of W, no phase 6/transformers baselines",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(tempfile.gettempdir()) / "phase7.json",
-        help="JSON path (a scratch file by default); the PNG goes beside it",
-    )
+def build_parser() -> argparse.ArgumentParser:
+    # --quick: the first 64 requests of W, no phase 6/transformers baselines
+    parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument(
         "--ablation", action="store_true", help="add the ablation table (each lever off in turn)"
     )
@@ -471,7 +470,11 @@ def main():
     parser.add_argument(
         "--levers", default=",".join(LEVERS), help="comma-separated ablation rows (LEVERS' keys)"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = parse_args(build_parser())
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     from tests.assets import qwen3_tokenizer_dir
@@ -531,6 +534,7 @@ def main():
             "block_size": BLOCK_SIZE,
         },
     }
+    result["quick"] = args.quick
     result["transformers"] = __import__("transformers").__version__
     result["triton"] = __import__("triton").__version__
     path = write_result("phase7_optim", result, args.out)

@@ -15,7 +15,9 @@ shard: a 70B-parameter shape needs no checkpoint) in bf16:
 The KV cache takes what is left of `GPU_MEMORY_UTILIZATION` of each GPU after the weights and a
 fixed reserve for activations and CUDA graphs (vLLM sizes it the same way, by profiling).
 
-Run (GPU): python -m benchmarks.phase7_tp [--runs qwen3-0.6b:1,2 llama3-70b:2@64] [--out FILE]
+Writes phase7_tp.json and phase7_tp.png into --out (phase7_tp_quick.* with --quick), rewritten
+after every run so that a run cut short keeps the ones that finished.
+Run (GPU): python -m benchmarks.phase7_tp [--runs qwen3-0.6b:1,2 llama3-70b:2@64] [--out DIR]
 Issue 13 on 8 GPUs: --runs qwen3-8b:1,2,4,8@128 llama3-70b:2,4,8@64
 CPU smoke run (tiny model, gloo): python -m benchmarks.phase7_tp --quick
 """
@@ -35,8 +37,9 @@ import torch
 
 from benchmarks.harness import (
     QWEN3_0_6B,
-    RESULTS_DIR,
     Timer,
+    benchmark_parser,
+    parse_args,
     workload_w,
     write_result,
 )
@@ -303,30 +306,31 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser(__doc__, threads=False)  # --quick: tiny model, short outputs, CPU
     parser.add_argument("--runs", nargs="+", default=None, help="MODEL:TP[,TP...][@REQUESTS]")
     parser.add_argument("--requests", type=int, default=256, help="W's requests, if no @N")
-    parser.add_argument("--quick", action="store_true", help="tiny model, short outputs (CPU ok)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path or folder (PNG beside)")
     parser.add_argument("--timeout", type=int, default=RUN_TIMEOUT_S, help="seconds per run")
     parser.add_argument("--single", help=argparse.SUPPRESS)  # one run, in a child process
     parser.add_argument("--single-out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = parse_args(build_parser())
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
     if args.single:
         result = run_one(Run(**json.loads(args.single)))
         Path(args.single_out).write_text(json.dumps(result))
         return
     specs = args.runs or (QUICK_RUNS if args.quick else DEFAULT_RUNS)
-    name = "phase7_tp_quick.json" if args.quick else "phase7_tp.json"
-    out = args.out or RESULTS_DIR / name
-    out = out / name if out.is_dir() else out
-    run_all(parse_runs(specs, args.requests, args.quick, args.enforce_eager), args.timeout, out)
+    name = "phase7_tp_quick" if args.quick else "phase7_tp"
+    runs = parse_runs(specs, args.requests, args.quick, args.enforce_eager)
+    run_all(runs, args.timeout, args.out, name)
 
 
-def run_all(runs: list[Run], timeout_s: int, out: Path) -> None:
+def run_all(runs: list[Run], timeout_s: int, out: Path, name: str) -> None:
     """Each run in its own process; the JSON and PNG are rewritten after every run, so a lease
     that ends mid-way still leaves the runs that finished."""
     results = []
@@ -352,9 +356,9 @@ def run_all(runs: list[Run], timeout_s: int, out: Path) -> None:
             "reserve_gib": RESERVE_BYTES / 2**30,
             "gpus": torch.cuda.device_count(),
         }
-        path = write_result("phase7_tp", payload, out)
+        path = write_result(name, payload, out)
         plot(results, path.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Run: python -m benchmarks.phase8_arrivals [--quick] [--threads 1] [--out DIR]
      (default DIR: a scratch folder; pass --out benchmarks/results to commit)
 """
 
+import argparse
 import asyncio
 import time
 
@@ -63,8 +64,12 @@ async def served_ttft(
     return ttft, await reply
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return benchmark_parser(__doc__)
+
+
 def main() -> None:
-    args = parse_args(benchmark_parser(__doc__))
+    args = parse_args(build_parser())
     llm = LLM()
     first, second = chat_ids(llm, FIRST_QUESTION), chat_ids(llm, SECOND_QUESTION)
     reply_tokens = QUICK_REPLY_TOKENS if args.quick else FIRST_REPLY_TOKENS

@@ -35,7 +35,9 @@ benchmark's, 512, for all three: the readable attention (phase 6's, on the GPU) 
 into tensors that grow with it.
 
 Run: python -m benchmarks.phase_ladder [--phases 1 2 ...] [--device cuda] [--quick] [--threads 2]
-     [--out DIR]   (phase_ladder_<device>.json and .png; `--out benchmarks/results` publishes)
+     [--out DIR]   (phase_ladder_<device>.json and .png, phase_ladder_<device>_quick.* for a
+                   --quick run, so it never overwrites a full one; `--out benchmarks/results`
+                   publishes)
 """
 
 import os
@@ -45,6 +47,7 @@ import os
 # (measured: phase 4 on the --quick workload, 6.8 tok/s spinning vs 731 passive, load ~10).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import argparse  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
@@ -469,7 +472,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__)
     parser.add_argument(
         "--phases",
@@ -480,6 +483,11 @@ def main():
         help="phases to run (default: 1-8 on cpu, 6-8 on cuda)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parse_args(parser)
     gpu = args.device == "cuda"
     args.phases = args.phases or (list(CHECKPOINT_PHASES) if gpu else sorted(PHASES))
@@ -488,12 +496,12 @@ def main():
     if gpu and any(p not in CHECKPOINT_PHASES for p in args.phases):
         parser.error("--device cuda runs phases 6-8 only (phases 1-5 run TinyTransformer)")
     setup = gpu_setup(args.quick) if gpu else cpu_setup(args.quick)
-    name = f"phase_ladder_{args.device}"
+    name = f"phase_ladder_{args.device}" + ("_quick" if args.quick else "")
     start = time.perf_counter()
     result = run_ladder(args, setup, name)
     result["total_seconds"] = time.perf_counter() - start
     path = write_result(name, result, args.out)
-    plot(result, args.out / f"{name}.png")
+    plot(result, path.with_suffix(".png"))
     print(f"wrote {path} and {name}.png beside it ({result['total_seconds']:.0f} s)")
 
 

@@ -25,22 +25,26 @@ caches (ROTATION_BYTES), as a model's layers do in a real step. On CUDA one rota
 in a CUDA graph (no launch overhead in the numbers) and timed with CUDA events; on CPU with
 perf_counter. Every time is the median of several rotations.
 
-Run: python -m benchmarks.roofline [--device cpu|cuda] [--quick] [--out PATH]
-Writes PATH (JSON, with machine, versions and commit) and PATH with .png (the plot).
+Run: python -m benchmarks.roofline [--device cpu|cuda] [--quick] [--out DIR] [--threads 2]
+Writes roofline_<device>.json (with machine, versions and commit) and .png (the plot) into DIR.
 """
 
 import argparse
 import math
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import QWEN3_0_6B, add_thread_arg, set_threads, write_result
+from benchmarks.harness import (
+    QWEN3_0_6B,
+    benchmark_parser,
+    parse_args,
+    write_result,
+)
 
 # Qwen3-0.6B's linear layers, from its shapes
 HIDDEN, INTERMEDIATE = QWEN3_0_6B["hidden_size"], QWEN3_0_6B["intermediate_size"]
@@ -238,29 +242,16 @@ def plot(path: Path, points: list[Point], peaks: dict, bandwidth: float, title: 
     fig.savefig(path, dpi=120)
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser(__doc__)  # --quick: QUICK_BATCHES and QUICK_SHAPES only
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default=default_device)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="a directory (roofline_<device>.json and .png go into it) or a .json path; default: "
-        "a scratch directory. benchmarks/results holds the committed results.",
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help=f"batches {QUICK_BATCHES}, shapes {QUICK_SHAPES}"
-    )
-    return add_thread_arg(parser).parse_args()
+    return parser
 
 
 def main():
-    args = parse_args()
-    set_threads(args.threads)
+    args = parse_args(build_parser())
     device = torch.device(args.device)
-    out = args.out or Path(tempfile.gettempdir()) / "mini-vllm"
-    if out.suffix != ".json":  # a directory, like every benchmark's --out
-        out = out / f"roofline_{device.type}.json"
     clock = Clock(device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on the GPU too
@@ -288,7 +279,7 @@ def main():
                 )
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     path = write_result(
-        "roofline",
+        f"roofline_{device.type}",
         {
             "device": device_name,
             "load_average_1_5_15_min": os.getloadavg() if device.type == "cpu" else None,
@@ -320,7 +311,7 @@ def main():
                 for p in points
             ],
         },
-        out=out,
+        out=args.out,
     )
     png = path.with_suffix(".png")
     plot(png, points, peaks, bandwidth, f"One linear layer on {device_name}")

@@ -14,6 +14,7 @@ Writes tokenizer_speed.json into --out.
 Run: python -m benchmarks.tokenizer_speed [--quick] [--out DIR]
 """
 
+import argparse
 import datetime
 import json
 import os
@@ -126,8 +127,12 @@ def git_commit() -> str:
     return sha + ("-dirty" if dirty else "")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return benchmark_parser(__doc__, threads=False)
+
+
 def main() -> None:
-    args = parse_args(benchmark_parser(__doc__, threads=False))
+    args = parse_args(build_parser())
     repeats = QUICK_REPEATS if args.quick else REPEATS
     repeated_bytes = QUICK_REPEATED_BYTES if args.quick else REPEATED_BYTES
     path = qwen3_tokenizer_dir() / "tokenizer.json"

@@ -21,9 +21,11 @@ CPU, where it could only cost an extra step per stopped request.
 import enum
 import math
 import os
+import typing
 from dataclasses import dataclass, fields, replace
 
-import torch
+if typing.TYPE_CHECKING:  # the config loads without torch: the CLI sets OpenMP's policy first
+    import torch
 
 MAX_KV_SLOTS = 2**31 - 1  # slot ids travel to the kernels as int32
 # Tensor parallelism: "auto" reads the checkpoint's safetensors, "dummy" (vLLM's name) random
@@ -81,11 +83,11 @@ class KernelConfig:
                 "imported (tests/conftest.py sets it)"
             )
 
-    def use_triton(self, x: torch.Tensor) -> bool:
+    def use_triton(self, x: "torch.Tensor") -> bool:
         """Whether `x`'s device runs the Triton kernels (CUDA; CPU only when interpreted)."""
         return x.is_cuda or (self.interpret_on_cpu and x.device.type == "cpu")
 
-    def use_gemv(self, x: torch.Tensor) -> bool:
+    def use_gemv(self, x: "torch.Tensor") -> bool:
         """x (rows, in): few rows make a matmul a matrix-vector product, bound by the weight's
         bytes, where the GEMV kernel beats cuBLAS (kernels/gemv.py)."""
         return 0 < x.shape[0] <= self.gemv_max_batch and self.use_triton(x)

@@ -8,34 +8,41 @@ request), and a FastAPI app (`api_server.build_app`) speaks /v1/completions and
 serve|engine-core|generate|chat|bench` (cli.py) is the command line. The engine gains what clients
 ask for: presence/frequency/repetition penalties and logprobs. The server's modules (which need
 fastapi, uvicorn, prometheus_client, pyzmq, msgspec) are not imported here, so the offline `LLM`
-works without them. Importing this package only defines things.
+works without them. Importing this package only defines things, and loads nothing
+heavy: the names below are imported from their modules on first use (a module `__getattr__`, PEP
+562), so that the `mini-vllm` command can set OpenMP's wait policy before torch loads (cli.py).
 """
 
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .engine import LLM, CompletionOutput, LLMEngine, RequestOutput
-from .loader import CheckpointError, load_model
-from .model import ModelConfig, Qwen3ForCausalLM
-from .sampling import SamplingParams
-from .sequence import FinishReason, Sequence, SequenceStatus
-from .tokenizer import Tokenizer
-from .trace import StepTrace
+import importlib
+import typing
 
-__all__ = [
-    "LLM",
-    "BlockManager",
-    "CheckpointError",
-    "CompletionOutput",
-    "EngineConfig",
-    "FinishReason",
-    "LLMEngine",
-    "ModelConfig",
-    "Qwen3ForCausalLM",
-    "RequestOutput",
-    "SamplingParams",
-    "Sequence",
-    "SequenceStatus",
-    "StepTrace",
-    "Tokenizer",
-    "load_model",
-]
+# public name -> the module of this package that defines it
+_EXPORTS = {
+    "LLM": "engine",
+    "BlockManager": "block_manager",
+    "CheckpointError": "loader",
+    "CompletionOutput": "engine",
+    "EngineConfig": "config",
+    "FinishReason": "sequence",
+    "LLMEngine": "engine",
+    "ModelConfig": "model",
+    "Qwen3ForCausalLM": "model",
+    "RequestOutput": "engine",
+    "SamplingParams": "sampling",
+    "Sequence": "sequence",
+    "SequenceStatus": "sequence",
+    "StepTrace": "trace",
+    "Tokenizer": "tokenizer",
+    "load_model": "loader",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> typing.Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -200,7 +200,8 @@ async def _run_at_rate(args, requests: list[BenchRequest], rate: float) -> dict:
     import httpx
 
     url = args.base_url.rstrip("/") + "/v1/completions"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")  # not a default: --help shows those
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed)
 
@@ -282,18 +283,33 @@ def summarize(results: list[RequestResult], duration: float, rate: float, args) 
     }
 
 
+def offered_load(runs: list[dict]) -> tuple[list[float], list[str]]:
+    """Each run's x position and tick label: the rate it was offered, never the rate it achieved
+    (on a noisy run the achieved rate can fall as the offered one rises, and latency would seem
+    to fall with load). All at once (`inf`) sits one step right of the highest finite rate."""
+    finite = [run["request_rate"] for run in runs if run["request_rate"] != "inf"]
+    step = max(finite) / len(finite) if finite else 1.0
+    beyond = max(finite, default=0.0) + step
+    x, labels = [], []
+    for rate in (run["request_rate"] for run in runs):
+        x.append(beyond if rate == "inf" else rate)
+        labels.append("all at once" if rate == "inf" else f"{rate:g}")
+    return x, labels
+
+
 def plot_serve(runs: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [run["request_throughput"] for run in runs]
+    x, labels = offered_load(runs)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
         for p in ("p50", "p99"):
             ax.plot(x, [run[metric][p] for run in runs], marker="o", label=p)
-        ax.set_xlabel("achieved requests / s")
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("offered requests / s (Poisson arrivals)")
         ax.set_ylabel(f"{title} (ms)")
         ax.set_yscale("log")
         ax.legend()
@@ -358,6 +374,7 @@ def _format_run(run: dict) -> str:
 def run_throughput(args, make_llm) -> dict:
     from .sampling import SamplingParams
 
+    fill_device_defaults(args, THROUGHPUT_DEFAULTS)
     requests = random_dataset(
         args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed,
         args.random_token_id_limit,
@@ -395,6 +412,7 @@ def run_throughput(args, make_llm) -> dict:
 def run_latency(args, make_llm) -> dict:
     from .sampling import SamplingParams
 
+    fill_device_defaults(args, LATENCY_DEFAULTS)
     rng = random.Random(args.seed)
     prompts = [
         [rng.randint(0, args.random_token_id_limit - 1) for _ in range(args.input_len)]
@@ -428,6 +446,37 @@ def run_latency(args, make_llm) -> dict:
     return result
 
 
+# `bench throughput|latency` sizes per device: workload W's shape (and vLLM's latency defaults)
+# on a GPU; on a CPU, sizes that finish in seconds with the default model, where W takes hours.
+THROUGHPUT_DEFAULTS = {
+    "cuda": {"num_prompts": 256, "input_len": 562, "output_len": 562},
+    "cpu": {"num_prompts": 8, "input_len": 128, "output_len": 32},
+}
+LATENCY_DEFAULTS = {
+    "cuda": {"input_len": 512, "output_len": 256, "num_iters": 5},
+    "cpu": {"input_len": 128, "output_len": 32, "num_iters": 3},
+}
+
+
+def add_device_default_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    for name in defaults["cuda"]:
+        sizes = f"default: {defaults['cuda'][name]} on CUDA, {defaults['cpu'][name]} on CPU"
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=sizes)
+
+
+def fill_device_defaults(args: argparse.Namespace, defaults: dict) -> None:
+    """Sets the sizes left unset to those of the device the engine will run on, and says so."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    chosen = defaults["cuda" if device.startswith("cuda") else "cpu"]
+    for name, value in chosen.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    sizes = " ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in chosen)
+    print(f"bench {args.bench} on {device}: {sizes}")
+
+
 def _rate(value: str) -> float:
     rate = float(value)
     if not rate > 0:
@@ -441,7 +490,7 @@ def add_bench_parser(subparsers, add_engine_args) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--seed", type=int, default=0, help="the random dataset's seed")
     common.add_argument("--temperature", type=float, default=0.6, help="workload W's")
     common.add_argument("--out", help="JSON file or directory (default: a scratch directory)")
     common.add_argument(
@@ -451,32 +500,34 @@ def add_bench_parser(subparsers, add_engine_args) -> None:
 
     throughput = kinds.add_parser("throughput", parents=[common], help="offline tok/s")
     add_engine_args(throughput)
-    throughput.add_argument("--num-prompts", type=int, default=256)
-    throughput.add_argument("--input-len", type=int, default=562)
-    throughput.add_argument("--output-len", type=int, default=562)
-    throughput.add_argument("--random-range-ratio", type=float, default=0.82)
+    add_device_default_args(throughput, THROUGHPUT_DEFAULTS)
+    throughput.add_argument(
+        "--random-range-ratio", type=float, default=0.82, help="lengths vary by this fraction"
+    )
 
     latency = kinds.add_parser("latency", parents=[common], help="seconds per batch")
     add_engine_args(latency)
-    latency.add_argument("--batch-size", type=int, default=1)
-    latency.add_argument("--input-len", type=int, default=512)
-    latency.add_argument("--output-len", type=int, default=256)
-    latency.add_argument("--num-iters", type=int, default=5)
-    latency.add_argument("--num-iters-warmup", type=int, default=1)
+    latency.add_argument("--batch-size", type=int, default=1, help="requests per batch")
+    add_device_default_args(latency, LATENCY_DEFAULTS)
+    latency.add_argument("--num-iters-warmup", type=int, default=1, help="untimed batches first")
 
     serve = kinds.add_parser("serve", parents=[common], help="an OpenAI-compatible server")
-    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
     serve.add_argument("--model", required=True, help="the served model name")
-    serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    serve.add_argument("--num-prompts", type=int, default=256)
-    serve.add_argument("--random-input-len", type=int, default=562)
-    serve.add_argument("--random-output-len", type=int, default=562)
-    serve.add_argument("--random-range-ratio", type=float, default=0.82)
+    serve.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, if set")
+    serve.add_argument("--num-prompts", type=int, default=256, help="requests per rate")
+    serve.add_argument("--random-input-len", type=int, default=562, help="mean prompt tokens")
+    serve.add_argument("--random-output-len", type=int, default=562, help="mean max_tokens")
+    serve.add_argument(
+        "--random-range-ratio", type=float, default=0.82, help="lengths vary by this fraction"
+    )
     serve.add_argument(
         "--request-rate", type=_rate, nargs="+", default=[math.inf],
         help="requests per second (Poisson arrivals); several values run one after another",
     )  # fmt: skip
-    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument(
+        "--max-concurrency", type=int, default=None, help="default: no limit on requests in flight"
+    )
     serve.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
     serve.add_argument("--goodput", nargs="*", metavar="SLO", help="e.g. ttft:500 tpot:50")
 

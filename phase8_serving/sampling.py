@@ -317,6 +317,7 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -
     return biased
 
 
+# exercise 8.2: presence, frequency and repetition penalties, batched
 def apply_penalties(
     logits: torch.Tensor,
     prompt_token_ids: Sequence[Sequence[int]],

@@ -49,7 +49,11 @@ class DeltaTracker:
         self.num_chars_sent = 0
         self.num_tokens_sent = 0
 
+    # exercise 8.1: the stream delta that never takes text back
     def update(self, output: CompletionOutput, finished: bool) -> OutputDelta:
+        """What `output` adds to what was shown: its text and token ids (and their logprobs)
+        past the last delta. While the request runs, the text's tail that a stop string could
+        start with (`held_back_length`) is not shown yet; once finished, everything is."""
         text = output.text
         if not finished:
             text = text[: len(text) - held_back_length(text, self.stops)]

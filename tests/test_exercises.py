@@ -2,6 +2,7 @@
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from tests import exercises
 
-LESSON_PHASES = range(7)  # phases 0-6 teach at least two exercises each
+LESSON_PHASES = range(9)  # every phase teaches at least two exercises
 MIN_EXERCISES_PER_PHASE = 2
 SPLIT_PHASE = 5  # check runs phases 0-4 and 5-7 side by side: about the same time each
 
@@ -29,7 +30,6 @@ def test_every_marker_has_words_and_every_phase_has_exercises():
     assert set(markers) == set(exercises.EXERCISES)
     for phase in LESSON_PHASES:
         assert sum(exercises.phase_of(i) == phase for i in markers) >= MIN_EXERCISES_PER_PHASE
-    assert any(exercises.phase_of(i) == 7 for i in markers), "the online softmax kernel"
     for exercise in exercises.EXERCISES.values():
         assert exercise.tests and all(t.startswith("tests/phase") for t in exercise.tests)
 
@@ -73,7 +73,7 @@ def test_workspace_of_one_exercise(tmp_path):
         if isinstance(n, ast.Raise) and "NotImplementedError" in ast.unparse(n)
     ]
     assert len(functions_blank) == 1
-    with pytest.raises(ValueError, match="no such exercise"):
+    with pytest.raises(ValueError, match="no exercise 3.1 in phase 5"):
         exercises.create_workspace(5, tmp_path / "other", only={"3.1"})
 
 
@@ -88,6 +88,97 @@ def test_impl_runs_only_its_phase_tests(tmp_path):
     assert exercises.is_other_phase_test(tests / "test_structure.py", workspace)
     with pytest.raises(ValueError, match="no workspace"):
         exercises.resolve_workspace(str(tmp_path / "missing"))
+
+
+def test_a_workspace_holds_several_phases_and_bad_arguments_are_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(exercises, "WORKSPACE_DIR", tmp_path)
+    assert exercises.main(["new", "3", "me"]) == 0
+    assert exercises.main(["new", "7", "me"]) == 0  # beside phase 3, not refused
+    assert {p.name for p in (tmp_path / "me").glob("phase*")} == {"phase3_kvcache", "phase7_optim"}
+    out = capsys.readouterr().out
+    assert ".venv/bin/python -m pytest tests/phase7 --impl me" in out  # the whole phase
+    fast = "-m pytest tests/phase7/test_kernels.py::test_flash_prefill_uneven_tiles"
+    assert f".venv/bin/python {fast}" in out  # and one exercise's tests alone
+    for argv, error in [
+        (["new", "3", "me"], "phase3_kvcache exists"),
+        (["new", "3", "other", "--only", "7.1"], "no exercise 7.1 in phase 3"),
+        (["new", "9", "other"], "no phase 9"),
+        (["list", "9"], "no phase 9"),
+        (["check", "9.9"], "no exercise 9.9"),
+        (["new", "3", "a b"], "workspace name"),
+    ]:
+        assert exercises.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert error in err and err.count("\n") == 1, err
+    assert not (tmp_path / "other").exists()  # nothing made by a refused command
+
+
+def test_each_phase_readme_lists_its_exercises_as_the_tool_does():
+    """A README's exercise table is a copy of EXERCISES for reading: the same hint, the same
+    tests, and the exercises to write first."""
+    for i in exercises.all_markers():
+        exercise = exercises.EXERCISES[i]
+        readme = exercises.phase_package(exercises.phase_of(i)) / "README.md"
+        rows = [line for line in readme.read_text().splitlines() if line.startswith(f"| {i} |")]
+        assert len(rows) == 1, f"{readme}: one table row for exercise {i}"
+        assert exercise.hint in rows[0], f"{readme}: exercise {i}'s hint"
+        named = set(re.findall(r"`(test_\w+)`", rows[0].rsplit("|", 2)[-2]))
+        assert named == {t.split("::")[1].split("[")[0] for t in exercise.tests}, i
+        first = re.search(r"Write ([\d. and]+) first", rows[0])
+        assert set(re.findall(r"\d\.\d", first[1]) if first else []) == set(exercise.needs), i
+
+
+def test_list_never_prints_nothing():
+    for phase in exercises.phase_packages():
+        listing = exercises.list_exercises(phase)
+        assert f"\n{phase}." in "\n" + listing, phase  # its own exercises, each described
+        assert ".venv/bin/python -m pytest tests/phase" in listing
+
+
+def test_the_blank_names_the_fast_command_and_the_whole_phase(tmp_path):
+    copy = exercises.create_workspace(7, tmp_path, only={"7.2"}, name="me")
+    text = "".join(re.findall(r'"(.*)"', (copy / "kernels" / "paged_decode.py").read_text()))
+    assert ".venv/bin/python -m pytest tests/phase7/test_kernels.py::" in text
+    assert "(all of phase 7: .venv/bin/python -m pytest tests/phase7 --impl me)" in text
+
+
+def test_check_runs_each_exercise_alone_blank_and_with_the_others_blank():
+    """The third workspace is what makes the listing fair: an exercise's tests pass while every
+    other exercise of its phase is blank (3.1's old test ran 3.2's mask and failed there)."""
+    plan = exercises.check_plan(["3.1", "3.2"])
+    assert plan == {
+        frozenset(): [("3.1", "passed"), ("3.2", "passed")],
+        frozenset({"3.1"}): [("3.1", "failed"), ("3.2", "passed")],
+        frozenset({"3.2"}): [("3.1", "passed"), ("3.2", "failed")],
+    }
+
+
+def run_pytest(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+    return subprocess.run(command, cwd=exercises.ROOT, env=env, capture_output=True, text=True)
+
+
+def test_impl_takes_the_phase_of_the_tests_named_and_leaves_the_oracle_alone(tmp_path):
+    """A workspace with phase 3 (blank) and phase 4 (whole): phase 4's tests run on the
+    workspace's phase 4 against the real phase 3, phase 3's on the blank copy."""
+    exercises.create_workspace(3, tmp_path)
+    exercises.create_workspace(4, tmp_path, only=set())
+    phase4 = run_pytest("tests/phase4/test_engine.py::test_finish_reasons", f"--impl={tmp_path}")
+    assert phase4.returncode == 0 and "phase4_scheduler from" in phase4.stdout, phase4.stdout
+    test = "tests/phase3/test_kvcache.py::test_padding_query_sees_only_itself"
+    phase3 = run_pytest(test, f"--impl={tmp_path}")
+    assert phase3.returncode == 1 and "NotImplementedError" in phase3.stdout, phase3.stdout
+    neither = run_pytest("tests/phase5/test_engine.py", f"--impl={tmp_path}")
+    assert neither.returncode != 0 and "holds phase3_kvcache, phase4_scheduler" in neither.stderr
+
+
+def test_impl_of_a_missing_workspace_is_a_one_line_error():
+    done = run_pytest("tests/phase3", "--impl", "no-such-workspace")
+    assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
+    assert "--impl no-such-workspace: no workspace there" in done.stderr
 
 
 @pytest.mark.slow

@@ -96,6 +96,27 @@ def test_seed_fixes_weights_and_keys():
     assert "layers.0.self_attn.q_proj.weight" in a and "embed_tokens.weight" in a
 
 
+def test_rope_matches_transformers_rotary_embedding():
+    """The rotation alone (no attention around it) against Llama's: the half-split pairing and
+    the angles of each position, in any order of positions."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    config = ModelConfig()
+    hf_config = llama.LlamaConfig(
+        hidden_size=config.num_heads * config.head_dim,
+        num_attention_heads=config.num_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+    )
+    rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, config.num_heads, config.head_dim)  # (B, T, H, D)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [9, 3, 40, 7, 100]])
+    cos, sin = llama.LlamaRotaryEmbedding(hf_config)(x, positions)  # (B, T, D)
+    expected, _ = llama.apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=2)
+    assert_close(rope(x, positions), expected)
+
+
 def test_matches_transformers_llama():
     """Same weights in Hugging Face's Llama give the same logits: the architecture is Llama's."""
     transformers = pytest.importorskip("transformers")

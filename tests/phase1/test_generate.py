@@ -10,6 +10,7 @@ import torch
 
 import phase0_basics
 from phase1_naive import ModelConfig, TinyTransformer, generate
+from phase1_naive.generate import iter_tokens
 
 PROMPT = [5, 17, 300, 42]
 MAX_NEW = 12
@@ -57,3 +58,16 @@ def test_stops_at_eos(model, expected):
 def test_bad_arguments(model, prompt, max_new):
     with pytest.raises(ValueError):
         generate(model, prompt, max_new_tokens=max_new)
+
+
+def test_iter_tokens_streams_the_argmax_and_stops_after_eos(model, expected):
+    """The loop itself, without `generate` around it: one token per step, EOS included."""
+    assert list(iter_tokens(model, PROMPT, MAX_NEW)) == expected
+    eos = expected[4]
+    assert list(iter_tokens(model, PROMPT, MAX_NEW, eos_token_id=eos)) == expected[:5]
+
+
+@pytest.mark.parametrize("prompt,max_new", [([], 4), ([1], 0)])
+def test_iter_tokens_checks_its_arguments(model, prompt, max_new):
+    with pytest.raises(ValueError):
+        next(iter_tokens(model, prompt, max_new_tokens=max_new))

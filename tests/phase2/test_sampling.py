@@ -96,15 +96,26 @@ def chi_square_ok(counts: torch.Tensor, expected_probs: torch.Tensor) -> bool:
     [
         (SamplingParams(temperature=1.0, seed=1), PROBS),
         (SamplingParams(temperature=1.0, top_k=2, seed=2), torch.tensor([0, 4 / 7, 0, 3 / 7])),
-        (SamplingParams(temperature=1.0, top_p=0.85, seed=3), torch.tensor([0, 4, 2, 3]) / 9),
         (SamplingParams(temperature=1.0, min_p=0.6, seed=4), torch.tensor([0, 4 / 7, 0, 3 / 7])),
+    ],
+    ids=["plain", "top_k", "min_p"],
+)
+def test_sampled_distribution(params, expected):
+    assert chi_square_ok(empirical(params, LOGITS, 4000), expected)
+
+
+@pytest.mark.parametrize(
+    "params,expected",
+    [
+        (SamplingParams(temperature=1.0, top_p=0.85, seed=3), torch.tensor([0, 4, 2, 3]) / 9),
         (
             SamplingParams(temperature=1.0, min_p=0.3, top_p=0.75, seed=6),
             torch.tensor([0, 4 / 7, 0, 3 / 7]),
         ),
     ],
+    ids=["top_p", "min_p_then_top_p"],
 )
-def test_sampled_distribution(params, expected):
+def test_sampled_distribution_through_top_p(params, expected):
     assert chi_square_ok(empirical(params, LOGITS, 4000), expected)
 
 

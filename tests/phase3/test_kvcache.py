@@ -80,6 +80,21 @@ def test_cached_decode_matches_full_forward(model, phase2_model):
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_cache_update_returns_everything_stored_so_far():
+    """The cache alone (no model, no mask): each update appends after `length` in its own
+    layer and returns every key and value up to the new end, not past it."""
+    cache = KVCache(num_layers=2, batch_size=2, max_len=8, num_kv_heads=1, head_dim=4)
+    k1, v1, k2, v2 = (torch.randn(2, n, 1, 4) for n in (3, 3, 2, 2))
+    keys, values = cache.update(1, k1, v1)
+    assert torch.equal(keys, k1) and torch.equal(values, v1)
+    assert cache.length == 0  # moves only in advance(), once every layer has stored
+    cache.advance(3)
+    keys, values = cache.update(1, k2, v2)
+    assert torch.equal(keys, torch.cat([k1, k2], dim=1))
+    assert torch.equal(values, torch.cat([v1, v2], dim=1))
+    assert not cache.k[0].any() and not cache.v[0].any()  # the other layer is untouched
+
+
 def test_cache_overflow_raises(model):
     cache = new_cache(model, 1, max_len=4)
     with pytest.raises(ValueError, match="KV cache full"):
@@ -92,6 +107,18 @@ def test_padding_query_sees_only_itself():
     assert hidden[0].tolist() == [False, True, True, True]
     assert hidden[1].tolist() == [True, False, True, True]
     assert hidden[3].tolist() == [True, True, False, False]
+
+
+def test_a_query_after_the_cache_sees_every_earlier_real_key():
+    """T new queries at the end of S positions: query i (position S - T + i) sees keys 0..its
+    own position, minus the padding; no padding query here, so nothing else is visible."""
+    padding = torch.tensor([[True, False, False, False, False, False]])
+    hidden = hidden_keys_mask(2, 6, padding, torch.device("cpu"))[0, 0]
+    assert hidden.tolist() == [
+        [True, False, False, False, False, True],  # position 4: keys 1-4
+        [True, False, False, False, False, False],  # position 5: keys 1-5
+    ]
+    assert hidden_keys_mask(3, 3, None, torch.device("cpu")).shape == (1, 1, 3, 3)
 
 
 @torch.no_grad()

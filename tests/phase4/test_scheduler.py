@@ -36,6 +36,24 @@ def tiny_model():
     return TinyTransformer(ModelConfig(**TINY_MODEL)).eval()
 
 
+@pytest.mark.parametrize(
+    "chunked, remaining, budget, expected",
+    [
+        (True, 30, 8, 8),  # a prompt chunk as large as the budget
+        (True, 5, 8, 5),  # the rest of the prompt fits
+        (True, 1, 8, 1),  # a decode
+        (True, 4, 0, 0),  # no budget left
+        (False, 5, 8, 5),  # without chunking: all of it when it fits
+        (False, 9, 8, 0),  # ... or nothing
+        (False, 8, 8, 8),
+    ],
+)
+def test_num_new_tokens_spends_the_budget(tiny_model, chunked, remaining, budget, expected):
+    """The rule alone: how many of a sequence's uncomputed tokens one step runs."""
+    h = Harness(tiny_model, EngineConfig(enable_chunked_prefill=chunked))
+    assert h.scheduler._num_new_tokens(remaining, budget) == expected
+
+
 def test_continuous_batching_admits_as_soon_as_one_finishes(tiny_model):
     h = Harness(tiny_model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
     short, long, late = h.add(4, 2), h.add(4, 10), h.add(4, 3)

@@ -118,6 +118,39 @@ def ref_counts_match_tables(bm: BlockManager) -> None:
 # Explicit scenarios
 
 
+def test_append_slots_takes_the_least_recently_freed_block_and_forgets_its_hash():
+    """Allocation alone, with no prefix lookup and no slot mapping: a table grows a block per
+    block_size tokens, each taken from the front of the free queue, and a block that leaves the
+    queue leaves the prefix cache too."""
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seq = lambda i, tokens: Sequence(i, str(i), tokens, SamplingParams(max_tokens=8))  # noqa: E731
+    a = seq(0, [1, 2, 3])
+    bm.allocate(a, [], 3)
+    assert bm.block_tables[0] == [0, 1] and bm.num_slots_used[0] == 3
+    a.num_computed_tokens = 3
+    bm.append_slots(a, 1)  # the 4th token fits in block 1
+    assert bm.block_tables[0] == [0, 1] and bm.num_slots_used[0] == 4
+    a.token_ids.append(4)
+    a.num_computed_tokens = 4
+    bm.cache_full_blocks(a)  # blocks 0 and 1 now hold [1, 2] and [3, 4] for any later prompt
+    bm.free(a)  # tail first: the free queue is 2, 3, 1, 0
+    bm.check_invariants()
+    b = seq(1, [9, 9, 9, 9, 9])
+    bm.allocate(b, [], 5)
+    assert bm.block_tables[1] == [2, 3, 1]  # least recently freed first; block 0 stays cached
+    assert [bm.blocks[i].block_id for i in bm.hash_to_block.values()] == [0]
+    bm.check_invariants()
+
+
+def test_slot_walks_the_block_table():
+    """Position p lives in the table's block p // block_size, at offset p % block_size: a page
+    table walk, whatever physical order the blocks are in."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.block_tables[7] = [5, 0, 3]
+    slots = [bm.slot(7, p) for p in range(12)]
+    assert slots == [20, 21, 22, 23, 0, 1, 2, 3, 12, 13, 14, 15]
+
+
 @pytest.mark.parametrize("num_blocks_of_prompt", [1, 2, 3])
 def test_prompt_length_a_multiple_of_block_size(num_blocks_of_prompt):
     d = Driver(num_blocks=8, block_size=4)

@@ -42,7 +42,13 @@ def phase6_oracle(tiny_qwen3_tied_dir) -> list[list[int]]:
     return expected
 
 
-@pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
+QUICK_CONFIGS = {"default"}  # the others run in CI (slow)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in QUICK_CONFIGS else pytest.param(n, marks=pytest.mark.slow) for n in ENGINE_CONFIGS],
+)
 def test_tiny_qwen3_greedy_ids_equal_phase6(name, tiny_qwen3_tied_dir, phase6_oracle):
     actual = greedy_ids(phase7_optim, tiny_qwen3_tied_dir, PROMPTS, **ENGINE_CONFIGS[name])
     assert actual == phase6_oracle

@@ -38,12 +38,14 @@ def test_converted_config_is_smollm2(smollm2_dir):
         assert (smollm2_dir / name).is_file()
 
 
+@pytest.mark.slow  # the embedded SmolLM2 on 30 float32 layers, and transformers beside it
 def test_logits_match_transformers(smollm2, smollm2_hf, chat_ids):
     with torch.inference_mode():
         expected = smollm2_hf(chat_ids).logits
     torch.testing.assert_close(logits_of(smollm2.model, chat_ids), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_chat_reply_is_paris(smollm2, smollm2_hf, smollm2_dir, chat_ids):
     with torch.inference_mode():
         out = smollm2_hf.generate(chat_ids, max_new_tokens=MAX_REPLY_TOKENS, do_sample=False)

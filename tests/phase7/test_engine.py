@@ -128,6 +128,7 @@ ENGINE_CONFIGS = {
 }
 
 
+@pytest.mark.slow  # phase 6's suite again: test_cross_phase.py pins phase 7 to phase 6's tokens
 @pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
 def test_greedy_batch_equals_transformers(name, tiny_qwen3_tied_dir, tiny_prompts, tied_oracle):
     # Submitted together, twice: the second copies hit the prefix cache the first ones filled.
@@ -142,6 +143,7 @@ def test_greedy_batch_equals_transformers(name, tiny_qwen3_tied_dir, tiny_prompt
         assert max(sum(s.prefill.values()) for s in trace.steps) <= 5
 
 
+@pytest.mark.slow
 def test_untied_lm_head_greedy_equals_transformers(tiny_qwen3_untied_dir, tiny_prompts):
     expected = transformers_oracle(tiny_qwen3_untied_dir, tiny_prompts)
     outputs, _ = run(LLM(tiny_qwen3_untied_dir, dtype="float32"), tiny_prompts, greedy())
@@ -156,6 +158,7 @@ def smollm2_llm(smollm2_dir) -> LLM:
     return LLM(smollm2_dir, dtype="float32", num_kv_blocks=64)  # 1,024 slots: plenty here
 
 
+@pytest.mark.slow  # 30 float32 layers of SmolLM2, and transformers beside it
 def test_smollm2_greedy_equals_transformers(smollm2_llm, smollm2_hf):
     tokenizer = smollm2_llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in SMOLLM2_PROMPTS]
@@ -166,6 +169,7 @@ def test_smollm2_greedy_equals_transformers(smollm2_llm, smollm2_hf):
     assert token_ids(outputs) == expected
 
 
+@pytest.mark.slow
 def test_smollm2_chat_answers_paris(smollm2_llm, smollm2_dir):
     from transformers import AutoTokenizer
 
@@ -180,6 +184,7 @@ def test_smollm2_chat_answers_paris(smollm2_llm, smollm2_dir):
     assert out.prompt_token_ids == rendered
 
 
+@pytest.mark.slow
 def test_smollm2_stop_string_ignore_eos_and_special_tokens(smollm2_llm):
     reply = smollm2_llm.chat(QUESTION, greedy(32), use_tqdm=False)[0].outputs[0]
     stopped = smollm2_llm.chat(QUESTION, greedy(32, stop=["Paris"]), use_tqdm=False)[0]
@@ -334,6 +339,7 @@ def scripted_qwen3_dir(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_streamed_text_never_splits_a_character(scripted_qwen3_dir):
     llm = LLM(scripted_qwen3_dir, dtype="float32")
     tokenizer = llm.get_tokenizer()
@@ -365,6 +371,7 @@ def test_bad_prompts_are_value_errors(tiny_llm):
         tiny_llm.generate([[QWEN3_VOCAB_SIZE]], greedy(), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_bad_request_among_good_ones_leaves_the_engine_usable(tiny_llm):
     good = ["Hello, world!", "你好世界"]
     expected = token_ids(run(tiny_llm, good, greedy())[0])
@@ -423,6 +430,7 @@ QUESTIONS = [
 ]
 
 
+@pytest.mark.slow
 def test_shared_system_prompt_hits_the_prefix_cache(tiny_qwen3_tied_dir):
     chats = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
              for q in QUESTIONS]  # fmt: skip

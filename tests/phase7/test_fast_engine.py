@@ -118,7 +118,10 @@ def test_padded_decode_rows_write_nowhere_and_read_nothing(tiny_qwen3_tied_dir):
 
 
 @interpreter
-@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [{}, pytest.param({"max_num_batched_tokens": 8, "block_size": 4}, marks=pytest.mark.slow)],
+)
 def test_kernel_backed_engine_equals_torch_path(tiny_qwen3_tied_dir, engine_kwargs):
     """Prefill, chunked prefill beside decodes, and decode steps through the kernels (float32,
     interpreter) give the torch path's greedy tokens."""

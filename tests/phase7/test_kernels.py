@@ -182,10 +182,10 @@ PREFILL_CASES = {
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads, head_dim",
     [
-        (torch.float32, 2, 2, 64),  # MHA
+        pytest.param(torch.float32, 2, 2, 64, marks=pytest.mark.slow),  # MHA
         (torch.float32, 4, 2, 64),  # GQA 2
         (torch.float16, 4, 1, 32),  # GQA 4 (MQA)
-        (torch.float16, 2, 1, 128),
+        pytest.param(torch.float16, 2, 1, 128, marks=pytest.mark.slow),
     ],
 )
 def test_flash_prefill_matches_reference(case, dtype, num_heads, num_kv_heads, head_dim):
@@ -235,7 +235,9 @@ def test_chunked_prefill_through_the_cache_equals_one_shot_prefill():
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads", [(torch.float32, 2, 2), (torch.float16, 8, 1)]
 )
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])  # 8: splits past short sequences' end
+@pytest.mark.parametrize(  # 8: splits past short sequences' end
+    "num_splits", [None, pytest.param(1, marks=pytest.mark.slow), 3, 8]
+)
 def test_paged_decode_split_k_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
     context_lens = [0, 36, 99, 150]  # seq_lens 1, 37, 100, 151
     batch = make_paged_batch([1] * 4, context_lens, num_heads, num_kv_heads, 32, 16, dtype, CPU)
@@ -244,6 +246,20 @@ def test_paged_decode_split_k_matches_reference(dtype, num_heads, num_kv_heads, 
 
 
 MERGING = DecodeConfig(block_n=32, num_warps=4, num_stages=1, direct_single_split=False)
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_decode_padded_row_reads_nothing(num_splits):
+    """seq_len 0 (a CUDA graph's padding row, whose splits are all empty): output 0, never NaN,
+    and the real rows as without it."""
+    batch = make_paged_batch([1] * 3, [40, 0, 17], 4, 2, 32, 16, torch.float32, CPU)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, batch.scale)
+    expected = paged_decode_attention(*args, num_splits=num_splits)
+    batch.seq_lens[1] = 0
+    out = paged_decode_attention(*args, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[[0, 2]], expected[[0, 2]])
 
 
 def test_choose_num_splits_fills_the_gpu_without_tiny_splits():

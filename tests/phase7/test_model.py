@@ -38,6 +38,7 @@ def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # phase 6's suite again: the CPU path is phase 6's (test_cross_phase.py)
 def test_logits_match_transformers(models):
     ours, theirs = models
     for prompt in PROMPTS:
@@ -55,6 +56,7 @@ def test_batched_logits_match_transformers(models):
     assert_close(logits_of(ours, ids), expected)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers_generate(models):
     ours, theirs = models
     for prompt in PROMPTS:

@@ -32,6 +32,7 @@ def unpressured(tiny_qwen3_tied_dir):
     return tokens
 
 
+@pytest.mark.slow  # phase 5's lesson; phase 7's own rule is the refusal below
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_modes_give_the_unpressured_tokens(tiny_qwen3_tied_dir, unpressured, mode):
     tokens, preemptions, swapped = run(

@@ -66,6 +66,7 @@ def qwen3(tiny_qwen3_tied_dir) -> Tokenizer:
     return Tokenizer.from_dir(tiny_qwen3_tied_dir)
 
 
+@pytest.mark.slow  # phase 6's tokenizer, unchanged
 def test_encode_matches_transformers(tokenizers):
     ours, theirs, _ = tokenizers
     for text in TEXTS:

@@ -226,6 +226,7 @@ def mqa_dir(tmp_path_factory) -> Path:
     return save_tiny_qwen3(tmp_path_factory.mktemp("mqa"), tied=True, num_kv_heads=1)
 
 
+@pytest.mark.slow  # spawned ranks; the shard tests above run in this process
 def test_parallel_layers_and_model_match_unsharded(mqa_dir):
     args = (TP, free_port(), str(mqa_dir))
     # Rank 0 is this process: one interpreter fewer to start than spawning both.
@@ -253,6 +254,7 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow  # two spawned ranks over gloo, each importing torch
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_tp2_engine_gives_tp1_greedy_tokens_and_shuts_down(tiny_dir, async_scheduling):
     """With overlap scheduling too: rank 0 fills the placeholders into its input ids on the device

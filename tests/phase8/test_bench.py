@@ -3,7 +3,7 @@ throughput and latency benchmarks on the tiny checkpoint, each through the comma
 
 import json
 
-from phase8_serving.bench import random_dataset, workload_w
+from phase8_serving.bench import offered_load, random_dataset, workload_w
 from phase8_serving.cli import main
 
 TOKEN_ID_LIMIT = "256"  # the tiny checkpoint's byte tokens (its vocabulary is 259)
@@ -66,3 +66,16 @@ def test_random_dataset_lengths_span_the_range_ratio():
     assert {r.max_tokens for r in requests} <= set(range(5, 16))
     assert max(t for r in requests for t in r.prompt_ids) < 7
     assert requests == random_dataset(64, 100, 10, 0.5, seed=1, token_id_limit=7)
+
+
+def test_the_latency_plot_puts_the_offered_rate_on_its_x_axis():
+    """A noisy run can achieve less at a higher offered rate; plotted against what it achieved,
+    latency would seem to fall as load rises."""
+    runs = [
+        {"request_rate": 4.0, "request_throughput": 3.9},
+        {"request_rate": 8.0, "request_throughput": 3.1},  # achieved less than at 4
+        {"request_rate": "inf", "request_throughput": 3.5},
+    ]
+    x, labels = offered_load(runs)
+    assert x == sorted(x) and x[:2] == [4.0, 8.0] and x[2] > 8.0
+    assert labels == ["4", "8", "all at once"]

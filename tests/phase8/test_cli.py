@@ -3,6 +3,7 @@
 
 import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from phase8_serving import LLM, SamplingParams
+from phase8_serving import LLM, SamplingParams, cli
+from phase8_serving.bench import LATENCY_DEFAULTS, THROUGHPUT_DEFAULTS, fill_device_defaults
 from phase8_serving.cli import build_parser, chat, engine_kwargs, main, resolve_max_model_len
 from phase8_serving.config import EngineConfig, PreemptionMode
 from phase8_serving.engine_core import core_info
@@ -28,7 +30,7 @@ def test_every_engine_config_field_is_a_flag():
     assert set(kwargs) == {f.name for f in dataclasses.fields(EngineConfig)}
     config = EngineConfig(**kwargs)
     assert (config.max_num_seqs, config.block_size, config.enable_prefix_caching) == (3, 8, False)
-    assert (args.model, args.host, args.port) == ("m", "127.0.0.1", 8000)
+    assert (cli.serve_model(args), args.host, args.port) == ("m", "127.0.0.1", 8000)
 
 
 def test_phase7_engine_flags_reach_the_config():
@@ -69,13 +71,29 @@ def test_bad_engine_flag_is_a_one_line_error(tiny_dir):
         main(["generate", "hi", "--model", str(tiny_dir), "--max-num-seqs", "0"])
 
 
-def test_generate_prints_the_greedy_completion(tiny_dir, capsys):
+def test_generate_prints_only_the_reply_to_the_chat_template(tiny_dir, capsys):
     main(["generate", "Hello", "--model", str(tiny_dir), "--dtype", "float32",
           "--max-tokens", "6", "--device", "cpu"])  # fmt: skip
-    expected = LLM(tiny_dir, dtype="float32", device="cpu").generate(
-        ["Hello"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False
-    )[0]
-    assert "Hello" + expected.outputs[0].text in capsys.readouterr().out
+    llm = LLM(tiny_dir, dtype="float32", device="cpu")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    reply = llm.chat([{"role": "user", "content": "Hello"}], greedy, use_tqdm=False)[0].outputs[0]
+    marker = f"--- completion 1 of 1 ({len(reply.token_ids)} tokens, finish: {reply.finish_reason})"
+    assert capsys.readouterr().out == f"{marker} ---\n{reply.text}\n"  # no prompt echoed
+
+
+def test_generate_no_chat_completes_the_raw_prompts_and_shows_progress(
+    tiny_dir, capsys, monkeypatch
+):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the counter shows
+    main(["generate", "Hello", "Bye", "--no-chat", "--model", str(tiny_dir), "--dtype",
+          "float32", "--max-tokens", "5", "--device", "cpu"])  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    outs = LLM(tiny_dir, dtype="float32", device="cpu").generate(["Hello", "Bye"], greedy)
+    out, err = capsys.readouterr()
+    texts = out.split("\n")
+    assert texts[0].startswith("--- completion 1 of 2") and texts[1] == outs[0].outputs[0].text
+    assert "--- completion 2 of 2" in out and "Hello" not in out
+    assert "generating" in err and "tokens" in err
 
 
 def test_chat_streams_the_reply_and_keeps_the_history(tiny_dir, capsys):
@@ -94,6 +112,120 @@ def test_chat_streams_the_reply_and_keeps_the_history(tiny_dir, capsys):
                {"role": "user", "content": "And again?"}]  # fmt: skip
     second = llm.chat(history, greedy, use_tqdm=False)[0].outputs[0].text
     assert reply + "\n" in out and second + "\n" in out
+
+
+def fake_replies(*replies):
+    """A stand-in for stream_reply: each call streams the next reply; an exception in it is
+    raised mid-reply, as Ctrl-C would be. Records the messages each call saw."""
+    seen, replies = [], iter(replies)
+
+    def stream(engine, messages, params):
+        seen.append([m["content"] for m in messages])
+        for piece in next(replies):
+            if isinstance(piece, BaseException):
+                raise piece
+            yield piece
+
+    return stream, seen
+
+
+def converse_or_fail(read) -> None:
+    """The chat loop; a KeyboardInterrupt escaping it would stop pytest itself, so it fails."""
+    try:
+        cli.converse(None, None, None, read)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the chat loop (a traceback for the user)")
+
+
+def test_chat_ctrl_c_cancels_the_reply_and_asks_again(monkeypatch, capsys):
+    stream, seen = fake_replies(["Hel", KeyboardInterrupt()], ["Fine", "."])
+    monkeypatch.setattr(cli, "stream_reply", stream)
+    lines = iter(["Hi", "How are you?"])
+
+    def read(prompt):  # a terminal: the prompt shows, then the typed line, then Ctrl-D
+        print(prompt, end="")
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    converse_or_fail(read)
+    out = capsys.readouterr().out
+    assert "> Hel [cancelled]\n> Fine.\n> \n" in out  # Ctrl-D: the shell starts a new line
+    assert seen == [["Hi"], ["How are you?"]]  # the cancelled turn is forgotten
+
+
+def test_chat_ctrl_c_at_the_prompt_ends_quietly(capsys):
+    def interrupted(prompt):
+        raise KeyboardInterrupt
+
+    converse_or_fail(interrupted)
+    assert capsys.readouterr().out.endswith("quits.\n\n")
+
+
+def test_stopping_a_reply_aborts_its_request(tiny_dir):
+    engine = LLM(tiny_dir, dtype="float32", device="cpu").engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    deltas = cli.stream_reply(engine, [{"role": "user", "content": "Hi"}], params)
+    next(deltas)
+    deltas.close()  # what leaving the `with closing(...)` does on Ctrl-C
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert re.search(r"--max-tokens MAX_TOKENS [\w ]*\(default: 128\)", text)
+    assert "--max-num-seqs MAX_NUM_SEQS EngineConfig.max_num_seqs (default: 16)" in text
+    assert re.search(r"--chat, --no-chat [^(]*\(default: True\)", text)
+
+
+def test_serve_takes_the_model_as_a_flag_or_positional_and_tp_as_short_flag():
+    parse = build_parser().parse_args
+    assert cli.serve_model(parse(["serve", "--model", "m"])) == "m"
+    assert cli.serve_model(parse(["serve", "m"])) == "m"
+    assert cli.serve_model(parse(["serve"])) is None
+    with pytest.raises(ValueError, match="two models"):
+        cli.serve_model(parse(["serve", "a", "--model", "b"]))
+    assert parse(["serve", "-tp", "2"]).tensor_parallel_size == 2
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("mini-vllm ")
+
+
+def test_bench_sizes_fit_the_device(capsys):
+    for device, prompts in (("cpu", 8), ("cuda", 256)):
+        args = build_parser().parse_args(["bench", "throughput", "--device", device])
+        fill_device_defaults(args, THROUGHPUT_DEFAULTS)
+        assert args.num_prompts == prompts
+        assert f"on {device}: --num-prompts {prompts}" in capsys.readouterr().out
+    args = build_parser().parse_args(["bench", "latency", "--device", "cpu", "--num-iters", "9"])
+    fill_device_defaults(args, LATENCY_DEFAULTS)
+    assert (args.num_iters, args.output_len) == (9, LATENCY_DEFAULTS["cpu"]["output_len"])
+
+
+def test_omp_wait_policy_is_passive_unless_the_user_chose_one(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    chosen = {"OMP_WAIT_POLICY": "ACTIVE"}
+    cli.set_omp_wait_policy(chosen)
+    assert chosen == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_the_command_imports_torch_only_after_setting_the_policy():
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads it: the package and the CLI module
+    must not load torch on import."""
+    code = "import sys, phase8_serving.cli; assert 'torch' not in sys.modules, 'torch loaded'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_max_model_len_is_bounded_by_context_and_kv_cache(tiny_dir):

@@ -60,6 +60,15 @@ def test_no_penalty_changes_nothing():
     assert not SamplingParams().has_penalties
 
 
+def test_penalties_leave_the_callers_logits_raw():
+    """The runner takes logprobs from the raw logits after penalizing: a new tensor, always."""
+    logits = torch.randn(2, VOCAB)
+    raw = logits.clone()
+    params = [SamplingParams(repetition_penalty=1.5, presence_penalty=1.0)] * 2
+    penalized = apply_penalties(logits, [[1, 2], [3]], [[4, 4], [5]], params)
+    assert torch.equal(logits, raw) and not torch.equal(penalized, raw)
+
+
 def sequence(prompt: list[int], output: list[int], params: SamplingParams) -> Sequence:
     seq = Sequence(0, "r", prompt, params)
     seq.token_ids += output

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from phase8_serving.engine import CompletionOutput
+from phase8_serving.sampling import TokenLogprobs
 from phase8_serving.streaming import DeltaTracker, held_back_length
 from phase8_serving.tokenizer import find_stop_string
 
@@ -68,3 +69,16 @@ def test_a_stop_string_split_over_steps_is_never_shown():
         shown += tracker.update(out, finished).text
         assert "S" not in shown
     assert shown == "Hello "
+
+
+def test_each_delta_carries_the_logprobs_of_its_own_tokens():
+    tracker = DeltaTracker([])
+    logprobs = [TokenLogprobs(t, -float(t), ()) for t in range(5)]
+    shown = []
+    for n, finished in ((2, False), (2, False), (5, True)):
+        reason = "length" if finished else None
+        out = CompletionOutput(0, "x" * n, list(range(n)), reason, logprobs=logprobs[:n])
+        delta = tracker.update(out, finished)
+        assert [lp.token_id for lp in delta.logprobs] == delta.token_ids
+        shown += delta.logprobs
+    assert shown == logprobs

@@ -1,0 +1,52 @@
+"""Every benchmark keeps benchmarks/README.md's promise: one command line, built on
+`harness.benchmark_parser` (`--out DIR` defaulting to a scratch directory, `--quick`, `--threads`
+where it means something), so that trying a script never overwrites a committed result."""
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(
+    p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "harness")
+)
+# Single-threaded by design (the tokenizer) or timed on a GPU: no --threads.
+NO_THREADS = {"tokenizer_speed", "phase6_qwen3_gpu", "phase7_kernels", "phase7_optim", "phase7_tp"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_takes_the_shared_options(script):
+    module = importlib.import_module(f"benchmarks.{script}")
+    parser = module.build_parser()
+    defaults = parser.parse_args([])
+    assert defaults.out == harness.SCRATCH_DIR and defaults.quick is False
+    assert parser.parse_args(["--out", "d"]).out == Path("d")
+    assert hasattr(defaults, "threads") == (script not in NO_THREADS)
+    assert "--out DIR" in module.__doc__  # and the docstring agrees
+    assert not re.search(r"--out (PATH|FILE|\S+\.json)", module.__doc__)
+
+
+def test_out_is_a_directory_never_a_file(monkeypatch, capsys):
+    parser = harness.benchmark_parser("a benchmark")
+    monkeypatch.setattr("sys.argv", ["bench", "--out", "results/x.json"])
+    with pytest.raises(SystemExit):
+        harness.parse_args(parser)
+    assert "--out takes a directory" in capsys.readouterr().err
+
+
+def test_a_quick_ladder_never_overwrites_the_full_one(tmp_path, monkeypatch):
+    from benchmarks import phase_ladder
+
+    names = []
+    monkeypatch.setattr(phase_ladder, "cpu_setup", lambda quick: None)
+    monkeypatch.setattr(phase_ladder, "write_result", lambda name, result, out: out / name)
+    monkeypatch.setattr(phase_ladder, "plot", lambda result, path: None)
+    monkeypatch.setattr(phase_ladder, "run_ladder", lambda a, s, name: names.append(name) or {})
+    for quick in ([], ["--quick"]):
+        monkeypatch.setattr("sys.argv", ["phase_ladder", "--out", str(tmp_path), *quick])
+        phase_ladder.main()
+    assert names == ["phase_ladder_cpu", "phase_ladder_cpu_quick"]
