@@ -24,6 +24,7 @@ Run (CUDA machine, ~5 min): python -m benchmarks.phase8_serving [--out DIR]
 `--quick`: a tiny model on the CPU, 8 requests (checks that the script works).
 """
 
+import argparse
 import asyncio
 import gc
 import json
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import (
+    QWEN3_0_6B,
     W_TEMPERATURE,
     Request,
     benchmark_parser,
@@ -52,10 +54,6 @@ from phase8_serving import LLM, SamplingParams
 from phase8_serving.engine_core import EngineCoreSpec, build_llm
 from phase8_serving.model_runner import SampledToken
 
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
 TINY = {**QWEN3_0_6B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}  # fmt: skip
 TUNED = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "num_kv_blocks": 40000,
@@ -293,13 +291,17 @@ def serve_command(checkpoint: Path, device: str, flags: dict) -> list[str]:
     return command
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--tokenizer-dir", type=Path, default=None,
                         help="Qwen3's tokenizer files (default: tests/assets' copy)")  # fmt: skip
     parser.add_argument("--serve-stub", nargs=2, metavar=("CHECKPOINT", "PORT"),
                         help=argparse_suppress())  # fmt: skip
-    args = parse_args(parser)
+    return parser
+
+
+def main() -> None:
+    args = parse_args(build_parser())
     quick = args.quick
     flags = QUICK_TUNED if quick else TUNED
     if args.serve_stub:

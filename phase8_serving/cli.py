@@ -87,6 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]
         field_help = f"EngineConfig.{f.name}"
+        if f.default is None:  # the engine chooses (kv_cache_config.py, EngineConfig.for_device)
+            field_help += " (default: the device's)"
         if hints[f.name] is bool:
             parser.add_argument(
                 *flags, action=argparse.BooleanOptionalAction, default=f.default, help=field_help

@@ -351,6 +351,9 @@ def run_engine_core(spec: EngineCoreSpec, address: str, parent_pid: int | None =
     `parent_pid`: the front end that spawned this core, watched while idle; None for a core
     started on its own (`mini-vllm engine-core`), which runs until it is stopped.
     """
+    # A spawned process starts with logging unconfigured: the engine's start-up lines (its KV
+    # cache's size, as vLLM logs it) would be lost. basicConfig leaves a configured one alone.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if spec.visible_devices is not None:  # before anything initializes CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     if spec.num_threads is not None:

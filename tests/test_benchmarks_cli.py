@@ -15,7 +15,10 @@ SCRIPTS = sorted(
     p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "harness")
 )
 # Single-threaded by design (the tokenizer) or timed on a GPU: no --threads.
-NO_THREADS = {"tokenizer_speed", "phase6_qwen3_gpu", "phase7_kernels", "phase7_optim", "phase7_tp"}
+NO_THREADS = {
+    "tokenizer_speed", "phase6_qwen3_gpu", "phase7_kernels", "phase7_optim", "phase7_tp",
+    "phase8_serving",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

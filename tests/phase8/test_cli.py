@@ -171,7 +171,7 @@ def test_stopping_a_reply_aborts_its_request(tiny_dir):
     deltas.close()  # what leaving the `with closing(...)` does on Ctrl-C
     assert not engine.has_unfinished_requests()
     engine.block_manager.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+    assert engine.block_manager.num_free_blocks == engine.kv_cache_config.num_blocks
 
 
 def test_help_shows_the_defaults(capsys):
@@ -179,7 +179,9 @@ def test_help_shows_the_defaults(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert re.search(r"--max-tokens MAX_TOKENS [\w ]*\(default: 128\)", text)
-    assert "--max-num-seqs MAX_NUM_SEQS EngineConfig.max_num_seqs (default: 16)" in text
+    assert "--block-size BLOCK_SIZE EngineConfig.block_size (default: 16)" in text
+    # a default the engine picks per device says so instead of printing None
+    assert "--max-num-seqs MAX_NUM_SEQS EngineConfig.max_num_seqs (default: the device's)" in text
     assert re.search(r"--chat, --no-chat [^(]*\(default: True\)", text)
 
 
