@@ -36,7 +36,7 @@ from .bench import add_bench_parser, run_bench
 from .config import EngineConfig
 from .default_model import MODEL_NAME, default_model_dir
 from .engine import LLM, LLMEngine, Message
-from .engine_core import CoreInfo, EngineCoreSpec
+from .engine_core import LOG_FORMAT, CoreInfo, EngineCoreSpec
 from .loader import resolve_model_dir
 from .sampling import SamplingParams
 from .streaming import DeltaTracker
@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)
