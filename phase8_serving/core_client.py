@@ -106,8 +106,8 @@ class EngineCoreClient:
                     core_spec = replace(spec, visible_devices=gpus)
                 address = ipc_address(i)
                 process = mp.Process(
-                    target=run_engine_core, args=(core_spec, address, os.getpid()),
-                    name=f"engine-core-{i}",
+                    target=run_engine_core, name=f"engine-core-{i}",
+                    args=(core_spec, address, os.getpid(), logging.getLogger().getEffectiveLevel()),
                 )  # fmt: skip
                 process.start()
                 connections.append(CoreConnection(i, address, _dealer(context, address), process))

@@ -43,6 +43,7 @@ from .sampling import SamplingParams, TokenLogprobs
 logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0  # an idle core says it is alive this often
 SNAPSHOT_INTERVAL_S = 0.5  # the dashboard's snapshot is taken at most this often
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # `mini-vllm`'s, in every process
 
 
 # -- messages (front end -> core) -----------------------------------------------------------------
@@ -345,15 +346,18 @@ def core_info(engine: LLMEngine) -> CoreInfo:
     )
 
 
-def run_engine_core(spec: EngineCoreSpec, address: str, parent_pid: int | None = None) -> None:
+def run_engine_core(
+    spec: EngineCoreSpec, address: str, parent_pid: int | None = None, log_level: int | None = None
+) -> None:
     """The engine core process's body: bind `address`, build the engine, loop until told to stop.
 
     `parent_pid`: the front end that spawned this core, watched while idle; None for a core
-    started on its own (`mini-vllm engine-core`), which runs until it is stopped.
+    started on its own (`mini-vllm engine-core`), which runs until it is stopped. `log_level`:
+    the front end's, for a spawned core (a spawned process starts with logging unconfigured, and
+    would drop its start-up lines: the KV cache's size among them).
     """
-    # A spawned process starts with logging unconfigured: the engine's start-up lines (its KV
-    # cache's size, as vLLM logs it) would be lost. basicConfig leaves a configured one alone.
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format=LOG_FORMAT)
     if spec.visible_devices is not None:  # before anything initializes CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     if spec.num_threads is not None:

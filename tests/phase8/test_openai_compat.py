@@ -47,7 +47,7 @@ def token_id(live_server):
     """The id of a one-token string (the test tokenizer is byte-level)."""
 
     def find(text: str) -> int:
-        (token,) = live_server.engine.tokenizer.encode(text, add_special_tokens=False)
+        (token,) = live_server.llm.tokenizer.encode(text, add_special_tokens=False)
         return token
 
     return find
@@ -55,7 +55,7 @@ def token_id(live_server):
 
 @pytest.fixture
 def eos_id(live_server) -> int:
-    (eos,) = live_server.engine.eos_token_ids
+    (eos,) = live_server.llm.tokenizer.eos_token_ids
     return eos
 
 
@@ -122,12 +122,14 @@ def test_chat_logprobs_hold_the_sampled_token(http, token_id):
 
 
 def test_streamed_text_offset_equals_the_whole_responses(http):
-    """A stop string that never comes still holds the text back while the request runs (the
-    engine keeps len(stop) - 1 characters), so the stream's text lags its tokens."""
-    body = {"prompt": "Offsets:", "max_tokens": 12, "ignore_eos": True, "logprobs": 1,
-            "stop": ["@@@@"], **GREEDY}  # fmt: skip
+    """While the text ends with the beginning of a stop string, the output processor holds that
+    tail back, so the stream's text lags its tokens. The stop string here is the second half of
+    the greedy reply plus a character past its end: held back from the middle on, never found."""
+    body = {"prompt": "Offsets:", "max_tokens": 12, "ignore_eos": True, "logprobs": 1, **GREEDY}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    body["stop"] = [plain[len(plain) // 2 :] + "@"]
     whole = http.post("/v1/completions", json=body).json()["choices"][0]
-    assert "@@@@" not in whole["text"]
+    assert whole["text"] == plain and whole["finish_reason"] == "length"
     offsets, tokens, lagged = [], [], False
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         for line in response.iter_lines():
@@ -140,6 +142,8 @@ def test_streamed_text_offset_equals_the_whole_responses(http):
     assert lagged  # the case under test happened
     assert tokens == whole["logprobs"]["tokens"]
     assert offsets == whole["logprobs"]["text_offset"]
+    lengths = [len(token) for token in tokens]  # each offset counts the tokens before it
+    assert offsets == [sum(lengths[:i]) for i in range(len(tokens))]
 
 
 # -- models --------------------------------------------------------------------------------
@@ -240,7 +244,7 @@ BAD = {  # endpoint, extra body, the param the error names
     "min_tokens < 0": ("completions", {"min_tokens": -1}, "min_tokens"),
     "top_k < -1": ("completions", {"top_k": -2}, "top_k"),
 }  # fmt: skip
-# Checked by the engine against the vocabulary (259 ids): the message names the field.
+# Checked by the front end against the engine's vocabulary (259 ids): the message names the field.
 OUT_OF_VOCAB = {
     "logit_bias id out of vocab": ({"logit_bias": {"100000": 1}}, "logit_bias"),
     "stop_token_ids out of vocab": ({"stop_token_ids": [100000]}, "stop_token_ids"),
@@ -326,7 +330,7 @@ def test_request_level_metrics_match_the_usage(http, eos_id):
         assert delta(f"vllm:request_{kind}_time_seconds_count") == 2
         assert times[kind] >= 0
     assert times["inference"] == pytest.approx(times["prefill"] + times["decode"])
-    e2e = delta("vllm:e2e_request_latency_seconds_sum")  # measured around the engine's record
+    e2e = delta("vllm:e2e_request_latency_seconds_sum")  # the front end's clock, around the core's
     assert times["queue"] + times["inference"] <= e2e
     info = {"block_size": str(ENGINE["block_size"]), "num_gpu_blocks": str(ENGINE["num_kv_blocks"]),
             "num_cpu_blocks": "0", "enable_prefix_caching": "True"}  # fmt: skip
