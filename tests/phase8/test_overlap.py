@@ -135,7 +135,8 @@ class SampleWatch:
 
 def offline(model_dir, monkeypatch, params, async_scheduling: bool, **engine_kwargs):
     """Steps the engine to the end, checking invariants after every step. -> ({request index:
-    (token ids, text, finish reason, logprobs)}, sampling calls with penalized placeholders)."""
+    (token ids, text, finish reason, logprobs)}, sampling calls with penalized placeholders,
+    preemptions)."""
     llm = LLM(model_dir, dtype="float32", device="cpu", async_scheduling=async_scheduling,
               **engine_kwargs)  # fmt: skip
     engine = llm.engine
@@ -152,16 +153,15 @@ def offline(model_dir, monkeypatch, params, async_scheduling: bool, **engine_kwa
                                                        c.logprobs)  # fmt: skip
             engine.scheduler.check_invariants()
     assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.finished_in_flight
-    return done, watch.penalized_placeholders
+    return done, watch.penalized_placeholders, engine.num_preemptions
 
 
 def assert_same_logprobs(got, want) -> None:
     """Same tokens and alternatives; values to float32 rounding (batches may differ in shape)."""
     assert (got is None) == (want is None)
     for a, b in zip(got or [], want or [], strict=True):
-        assert a.token_id == b.token_id and [t for t, _ in a.top_logprobs] == [
-            t for t, _ in b.top_logprobs
-        ]
+        assert a.token_id == b.token_id
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
         values = lambda lp: [lp.logprob] + [v for _, v in lp.top_logprobs]  # noqa: E731
         torch.testing.assert_close(values(a), values(b), rtol=1e-5, atol=1e-5)
 
@@ -177,9 +177,11 @@ def assert_same_outputs(got: dict, want: dict) -> None:
 def test_offline_outputs_are_those_of_the_engine_without_overlap(spread_dir, monkeypatch, stops,
                                                                  config):  # fmt: skip
     params = workload(*stops)
-    want, never = offline(spread_dir, monkeypatch, params, False, **CONFIGS[config])
-    got, penalized = offline(spread_dir, monkeypatch, params, True, **CONFIGS[config])
+    want, never, want_preempted = offline(spread_dir, monkeypatch, params, False,
+                                          **CONFIGS[config])  # fmt: skip
+    got, penalized, preempted = offline(spread_dir, monkeypatch, params, True, **CONFIGS[config])
     assert never == 0 and penalized > 0  # overlap did sample penalized rows on placeholders
+    assert (preempted > 0) == (want_preempted > 0) == (config != "roomy")
     assert_same_outputs(got, want)
     tokens, _, reason, _ = got[3]
     assert reason == "stop" and len(tokens) == MIN_TOKENS + 1 and tokens[-1] == EOS
@@ -194,8 +196,9 @@ def test_offline_outputs_are_those_of_the_engine_without_overlap(spread_dir, mon
 
 class CoreInProcess:
     """An engine core on an inproc socket, stepped as its loop steps it (drain every message,
-    then one engine step), and a front end that is the real output processor. Records, for each
-    request, the step outputs the core sent after it handled the request's abort (none, ever)."""
+    then one engine step), and a front end that is the real output processor. Records which
+    requests the core has aborted, and which of them were still in the step running on the
+    device (`finished_in_flight`: their blocks wait for that step)."""
 
     def __init__(self, llm: LLM, address: str):
         self.engine = llm.engine
@@ -299,31 +302,6 @@ def test_the_core_sends_the_outputs_of_the_engine_without_overlap(spread_dir, st
     assert sorted(freed_later) == sorted([str(CLIENT_ABORTED), "5"])
 
 
-@pytest.mark.gpu
-def test_gpu_overlap_with_penalties_and_logprobs_gives_the_tokens_without_it(spread_dir):
-    """On CUDA with graphs (bf16), overlap on and off: penalties (the placeholder taken on the
-    device), logprobs (computed before the next step's graph replay overwrites the logits), logit
-    bias and min_tokens, greedy and seeded. max_tokens is the only stop, so both engines run the
-    same batches step for step and equality is exact."""
-    params = [
-        greedy(presence_penalty=1.5, frequency_penalty=0.5, logprobs=3),
-        seeded(3, repetition_penalty=1.3, logprobs=1),
-        greedy(min_tokens=8, stop_token_ids=[EOS], logit_bias={EOS: -100.0, 65: 2.0}),
-        seeded(4, frequency_penalty=1.0, presence_penalty=-0.5),
-    ] * 2
-    outputs = {}
-    for overlap in (False, True):
-        llm = LLM(spread_dir, dtype="bfloat16", device="cuda", max_num_seqs=8,
-                  async_scheduling=overlap)  # fmt: skip
-        assert llm.engine.runner.graphs is not None
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
-        outputs[overlap] = [o.outputs[0] for o in outs]
-        del llm
-    for got, want in zip(outputs[True], outputs[False], strict=True):
-        assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_TOKENS
-        assert got.logprobs == want.logprobs
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_the_core_frees_a_request_aborted_while_its_step_runs(spread_dir, async_scheduling):
     """The last request leaves while its next step runs: the core steps once more, with nothing
@@ -346,3 +324,53 @@ def test_the_core_frees_a_request_aborted_while_its_step_runs(spread_dir, async_
         assert fe.engine.block_manager.num_used_blocks == 0
     finally:
         fe.close()
+
+
+# Qwen3-0.6B's attention and MLP shapes, 4 layers (phase 7's GPU tests' model): the real kernels.
+SMALL_QWEN3 = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                   num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                   head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True,
+                   initializer_range=0.1,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_qwen3_dir(tmp_path_factory):
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests import assets
+
+    directory = tmp_path_factory.mktemp("qwen3-small-overlap")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**SMALL_QWEN3)).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(assets.qwen3_tokenizer_dir() / name, directory / name)
+    return directory
+
+
+@pytest.mark.gpu
+def test_gpu_overlap_with_penalties_and_logprobs_gives_the_tokens_without_it(small_qwen3_dir):
+    """On CUDA with graphs (bf16), overlap on and off: penalties (the placeholder taken on the
+    device), logprobs (computed before the next step's graph replay overwrites the logits), logit
+    bias and min_tokens, greedy and seeded. max_tokens is the only stop (the stop token is
+    biased away), so both engines run the same batches step for step: equality is exact."""
+    params = [
+        greedy(presence_penalty=1.5, frequency_penalty=0.5, logprobs=3),
+        seeded(3, repetition_penalty=1.3, logprobs=1),
+        greedy(min_tokens=8, stop_token_ids=[EOS], logit_bias={EOS: -100.0, 65: 2.0}),
+        seeded(4, frequency_penalty=1.0, presence_penalty=-0.5),
+    ] * 2
+    outputs = {}
+    for overlap in (False, True):
+        llm = LLM(small_qwen3_dir, dtype="bfloat16", device="cuda", max_num_seqs=8,
+                  num_kv_blocks=1024, async_scheduling=overlap)  # fmt: skip
+        assert llm.engine.runner.graphs is not None
+        assert llm.engine.config.async_scheduling is overlap
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        outputs[overlap] = [o.outputs[0] for o in outs]
+        del llm
+    for got, want in zip(outputs[True], outputs[False], strict=True):
+        assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_TOKENS
+        assert got.logprobs == want.logprobs
