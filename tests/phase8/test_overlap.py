@@ -374,3 +374,29 @@ def test_gpu_overlap_with_penalties_and_logprobs_gives_the_tokens_without_it(sma
     for got, want in zip(outputs[True], outputs[False], strict=True):
         assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_TOKENS
         assert got.logprobs == want.logprobs
+
+
+@pytest.mark.gpu
+def test_gpu_phase8_sampling_never_syncs_inside_a_step(small_qwen3_dir):
+    """With overlap on, a step whose rows ask for penalties, logprobs, logit bias and min_tokens
+    still queues on the device without a host sync (the sync debug mode raises on any), so the
+    host prepares the next step while this one runs."""
+    llm = LLM(small_qwen3_dir, dtype="bfloat16", device="cuda", max_num_seqs=8,
+              num_kv_blocks=1024, async_scheduling=True)  # fmt: skip
+    engine, runner = llm.engine, llm.engine.runner
+    for prompt, p in zip(PROMPTS, workload(EOS, "\n"), strict=True):
+        engine.add_request(prompt, p)
+    execute, calls = runner.execute, []
+
+    def execute_without_syncs(*args):
+        torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+        try:
+            calls.append(args)
+            return execute(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.execute = execute_without_syncs
+    for _ in range(6):
+        engine.step()
+    assert len(calls) == 6
