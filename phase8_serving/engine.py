@@ -51,6 +51,7 @@ known tokens only: a step that reads them is launched later. A seeded request's 
 after its last real one, so its tokens are those of the engine without overlap. With
 `async_scheduling=False` each step's tokens are read right after its launch: the same code, with
 nothing in flight between steps.
+
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
 for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
 requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). The server calls

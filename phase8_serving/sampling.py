@@ -342,10 +342,8 @@ def apply_penalties(
     )  # (row index, token id) per token
     out_rows, out_ids = flat(output_token_ids)
     if placeholders is not None:
-        out_rows, out_ids = (
-            torch.cat([out_rows, placeholders[0]]),
-            torch.cat([out_ids, placeholders[1]]),
-        )
+        rows, ids = placeholders
+        out_rows, out_ids = torch.cat([out_rows, rows]), torch.cat([out_ids, ids])
     output_counts = torch.zeros(R, V, device=device)  # (R, V): occurrences in the output
     output_counts.index_put_(
         (out_rows, out_ids), torch.ones(len(out_ids), device=device), accumulate=True
@@ -386,10 +384,11 @@ class LogprobsTensors:
     def to_host(self) -> "LogprobsTensors":
         """Copies into pinned host memory, queued without blocking: complete once an event
         recorded after this call has fired."""
-        pinned = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(  # noqa: E731
-            t, non_blocking=True
-        )
-        return LogprobsTensors(self.rows, self.ks, pinned(self.values), pinned(self.top_ids))
+        values = torch.empty(self.values.shape, pin_memory=True)
+        top_ids = torch.empty(self.top_ids.shape, dtype=torch.long, pin_memory=True)
+        values.copy_(self.values, non_blocking=True)
+        top_ids.copy_(self.top_ids, non_blocking=True)
+        return LogprobsTensors(self.rows, self.ks, values, top_ids)
 
     def tolists(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
         """Per sampling row (`token_ids`: what each sampled), its logprobs or None. Two reads
