@@ -52,7 +52,7 @@ from benchmarks.harness import (
 )
 from phase8_serving import LLM, SamplingParams
 from phase8_serving.engine_core import EngineCoreSpec, build_llm
-from phase8_serving.model_runner import SampledToken
+from phase8_serving.model_runner import SampledTokens
 
 TINY = {**QWEN3_0_6B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}  # fmt: skip
@@ -101,12 +101,17 @@ def build_stub_llm(spec: EngineCoreSpec) -> LLM:
     llm = build_llm(spec)
     runner = llm.engine.runner
 
-    def run(scheduled):
-        return [SampledToken(1000 + seq.num_tokens % 1000, None)
-                if seq.num_computed_tokens + n >= seq.num_tokens else None
-                for seq, n in scheduled]  # fmt: skip
+    def launch(scheduled, previous=None):
+        # those that catch up sample (placeholders count: the engine may schedule on them)
+        sampling = [
+            seq
+            for seq, n in scheduled
+            if seq.num_computed_tokens + n >= seq.num_tokens + seq.num_output_placeholders
+        ]
+        ids = torch.tensor([1000 + seq.num_tokens % 1000 for seq in sampling])
+        return SampledTokens([seq.seq_id for seq in sampling], ids, ids, None)
 
-    runner.run = run
+    runner.launch = launch
     return llm
 
 

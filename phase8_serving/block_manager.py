@@ -26,7 +26,8 @@ registers them again. Like paging to disk when RAM runs out, instead of killing 
 Invariants (check_invariants):
 - free + referenced = all blocks; a block is in the free queue iff its ref_cnt is 0;
 - a block's ref_cnt equals the number of block tables that hold it;
-- a block registered under a hash holds the computed keys/values of exactly its stored tokens;
+- a block registered under a hash holds the keys/values of exactly its stored tokens (or will,
+  once the steps already launched on the device are done: every reader is launched later);
 - free CPU blocks + CPU blocks held by swapped-out sequences = all CPU blocks, each held once.
 """
 
@@ -151,14 +152,18 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Registers the hashes of `seq`'s blocks that became full of computed tokens, in order.
-        A block is registered only under its own table's previous block, itself registered: if
-        that hash is already taken (an identical block cached by another sequence, or a
-        collision), this block and every later one stay private to `seq`."""
+        Computed means computed by a step already launched (a later reader runs after it on the
+        device), and only tokens the host knows count: with overlap scheduling a step may compute
+        a token sampled by the step before it, not read yet. A block is registered only under
+        its own table's previous block, itself registered: if that hash is already taken (an
+        identical block cached by another sequence, or a collision), this block and every later
+        one stay private to `seq`."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables[seq.seq_id]
         done = self.num_cached_blocks[seq.seq_id]
-        for i in range(done, seq.num_computed_tokens // self.block_size):
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        for i in range(done, num_full):
             parent = self.blocks[table[i - 1]].block_hash if i else None
             if i and parent is None:
                 break  # the previous block is private: no verifiable chain runs through it
@@ -169,7 +174,7 @@ class BlockManager:
                 break
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
             self.hash_to_block[block_hash] = block.block_id
-        self.num_cached_blocks[seq.seq_id] = max(done, seq.num_computed_tokens // self.block_size)
+        self.num_cached_blocks[seq.seq_id] = max(done, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Returns `seq`'s blocks. The tail goes to the free queue first, so the shared prefix

@@ -13,6 +13,9 @@ the result is a `KVCacheConfig`, never written back here), and `max_num_seqs` an
 `max_num_batched_tokens` left unset take the device's defaults (`for_device`: vLLM's on CUDA).
 Each kernel-level speed-up of the CUDA path can be switched off on its own (`KernelConfig`, read
 from the engine's fields of the same names), so a benchmark can measure what each one is worth.
+`async_scheduling` (vLLM's name) overlaps the host's work on the next step with the device's on
+this one (engine.py); unset, it is on where the device runs behind the host (CUDA) and off on
+CPU, where it could only cost an extra step per stopped request.
 """
 
 import enum
@@ -29,18 +32,20 @@ MAX_KV_SLOTS = 2**31 - 1  # slot ids travel to the kernels as int32
 # weights of its config.json, built on each rank's shard (loader.py).
 LOAD_FORMATS = ("auto", "dummy")
 OPTIONAL_INT = int | None  # a count the engine chooses when it is None
+OPTIONAL_BOOL = bool | None  # a switch the device's defaults set when it is None
 
 
 @dataclass(frozen=True)
 class DeviceDefaults:
     max_num_seqs: int
     max_num_batched_tokens: int
+    async_scheduling: bool
 
 
 # vLLM's on a GPU (256 sequences; 16,384 batched tokens, its choice for large GPUs); on a CPU,
 # sizes a few cores get through in well under a second a step.
-GPU_DEFAULTS = DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=16384)
-CPU_DEFAULTS = DeviceDefaults(max_num_seqs=16, max_num_batched_tokens=256)
+GPU_DEFAULTS = DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=16384, async_scheduling=True)
+CPU_DEFAULTS = DeviceDefaults(max_num_seqs=16, max_num_batched_tokens=256, async_scheduling=False)
 
 
 class PreemptionMode(enum.Enum):
@@ -112,6 +117,7 @@ class EngineConfig:
     # budget (kv_cache_config.py).
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    async_scheduling: bool | None = None  # overlap scheduling (engine.py); None: device default
     # The CUDA path's kernel levers (KernelConfig says what each does); the defaults are fastest.
     fuse_add_rms_norm: bool = True
     fuse_rope_kv_store: bool = True
@@ -126,19 +132,23 @@ class EngineConfig:
         )  # fmt: skip
 
     def for_device(self, device_type: str) -> "EngineConfig":
-        """This config with the device's defaults where it leaves the batch sizes unset."""
+        """This config with the device's defaults where it leaves the batch sizes or
+        `async_scheduling` unset."""
         defaults = GPU_DEFAULTS if device_type == "cuda" else CPU_DEFAULTS
         seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        overlap = self.async_scheduling
         return replace(
             self,
             max_num_seqs=defaults.max_num_seqs if seqs is None else seqs,
             max_num_batched_tokens=defaults.max_num_batched_tokens if tokens is None else tokens,
+            async_scheduling=defaults.async_scheduling if overlap is None else overlap,
         )
 
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.type is bool and not isinstance(value, bool):
+            optional_bool = field.type == OPTIONAL_BOOL and value is not None
+            if (field.type is bool or optional_bool) and not isinstance(value, bool):
                 raise TypeError(f"EngineConfig.{field.name} must be a bool, got {value!r}")
             if field.type is int or (field.type == OPTIONAL_INT and value is not None):
                 if isinstance(value, bool) or not isinstance(value, int):

@@ -33,15 +33,38 @@ built. `LLM.generate` asks for final outputs only (`RequestOutputKind.FINAL_ONLY
 so a request without stop strings is detokenized once, when it finishes. The KV cache is sized
 when the engine starts, from the device's memory (kv_cache_config.py), and its capacity logged.
 
+Overlap scheduling (`async_scheduling`, vLLM's; SGLang's overlap scheduler): the host's share of
+a step (schedule, prepare, launch, then read the tokens, append them, check stops) leaves the
+device idle unless it runs while the device works on the step before. So `step()` schedules and
+launches step N+1 first, and only then reads step N's tokens: the host's work hides behind the
+device's. Step N+1 is scheduled before anyone knows what step N sampled: each token being
+sampled is a placeholder (`Sequence.num_output_placeholders`), decoded in step N+1 straight from
+the device (model_runner.py), and the host learns it a step later. The one-step-late rule: a
+request that reaches max_tokens is never scheduled past its last token (its length is known in
+advance), but a stop token or stop string is seen only after step N+1 was launched, possibly
+with the stopped request in it; that step's token for it is dropped and never reaches an output,
+and the request's blocks are freed once that step is done, never while it may still write them.
+(Preemption is the one exception: the scheduler frees a victim's blocks while step N, which
+wrote them, may still run; their next writer is a step launched later, and the device runs steps
+in launch order.) Blocks enter the prefix cache once the step computing them is launched, for
+known tokens only: a step that reads them is launched later. A seeded request's extra draw comes
+after its last real one, so its tokens are those of the engine without overlap. With
+`async_scheduling=False` each step's tokens are read right after its launch: the same code, with
+nothing in flight between steps.
+
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
 for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
-requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). (`abort_request` frees
-a request's blocks at once; the server calls it when a client goes away.) The server's engine core
-process (engine_core.py) asks for `DELTA_TOKEN_IDS`: each step's new token ids and no text at all,
-because its front end detokenizes and finds stop strings in another process. `min_tokens` (vLLM's
-rule): before that many tokens, EOS and stop tokens cannot be sampled (model_runner.py) nor end
-the request, and a stop string counts only if it ends in text of a later token. Token ids a
-request names (stop tokens, logit bias) must be in the vocabulary, or `add_request` refuses it.
+requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). The server calls
+`abort_request` when a client goes away (the request's blocks are freed at once, or once the step
+computing it on the device is done). The server's engine core process (engine_core.py) asks for
+`DELTA_TOKEN_IDS`: each step's new token ids and no text at all, because its front end
+detokenizes and finds stop strings in another process. `min_tokens` (vLLM's rule): before that
+many tokens, EOS and stop tokens cannot be sampled (model_runner.py) nor end the request, and a
+stop string counts only if it ends in text of a later token. Token ids a request names (stop
+tokens, logit bias) must be in the vocabulary, or `add_request` refuses it. None of this makes
+overlap scheduling wait for a step's tokens: the penalties count a placeholder token on the device,
+min_tokens counts placeholders, and logprobs are computed on the device beside the token they
+describe (model_runner.py).
 """
 
 import atexit
@@ -62,7 +85,7 @@ from .distributed import TensorParallel
 from .kv_cache_config import determine_kv_cache_config, log_kv_cache
 from .loader import load_model, resolve_device, resolve_dtype, resolve_model_dir
 from .model import Qwen3ForCausalLM
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, SampledTokens
 from .sampling import SamplingParams, TokenLogprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
@@ -114,6 +137,15 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token
 
 
+class InFlightStep:
+    """A step launched on the device whose tokens the host has not read yet."""
+
+    def __init__(self, scheduled: list[tuple[Sequence, int]], sampled: SampledTokens):
+        self.scheduled = scheduled
+        self.sampled = sampled
+        self.seq_ids = {seq.seq_id for seq, _ in scheduled}
+
+
 def check_prompt(name: str, prompt: object) -> None:
     """Raises TypeError unless `prompt` is text or a list of token ids (bytes are neither)."""
     if not isinstance(prompt, str | list):
@@ -157,6 +189,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.config, self.block_manager, self.kv_cache_config, eos_ids
         )
+        self.in_flight: InFlightStep | None = None  # async scheduling: the step the device runs
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0  # since start, for the server's metrics
@@ -218,14 +251,16 @@ class LLMEngine:
         if request_id not in self.requests:
             return
         seq = self.requests.pop(request_id).seq
-        self.scheduler.finish(seq, FinishReason.ABORT)
+        in_flight = self.in_flight is not None and seq.seq_id in self.in_flight.seq_ids
+        self.scheduler.finish(seq, FinishReason.ABORT, in_flight)
         self.runner.release(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns the requests that got a token or finished.
+        """Runs one scheduler step; returns the requests that got a token or finished. With
+        async scheduling the tokens returned are those of the step launched by the call before.
 
         If the step raises, the requests it ran are aborted (their KV freed) and the error
         propagates: what they computed is unknown, and a failure that depends on the request
@@ -233,39 +268,37 @@ class LLMEngine:
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        previous, self.in_flight = self.in_flight, None
         try:
-            return self._run(out, start)
+            return self._run(out, previous, start)
         except BaseException:
-            for seq, _ in out.scheduled:
+            self.in_flight = None  # nothing is read from it any more: its requests go now
+            self.scheduler.free_finished_in_flight()
+            for seq, _ in out.scheduled + (previous.scheduled if previous else []):
                 self.abort_request(seq.request_id)
             raise
 
-    def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+    def _run(
+        self, out: SchedulerOutput, previous: InFlightStep | None, start: float
+    ) -> list[RequestOutput]:
         self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
-        # A step may run nothing (every running sequence was preempted); the trace still records
-        # it.
-        samples = self.runner.run(out.scheduled) if out.scheduled else []
         self.num_preemptions += len(out.preempted)
-        updated, finished = [], []
-        for (seq, num_new), sample in zip(out.scheduled, samples, strict=True):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
-            if sample is None:
-                continue
-            token = sample.token_id
-            seq.token_ids.append(token)
-            if sample.logprobs is not None:
-                self.requests[seq.request_id].logprobs.append(sample.logprobs)
-            updated.append(seq)
-            reason = self._finish_reason(seq, token)
-            # a stop token's own text is never shown; only stop strings need the text each step
-            kind = self.requests[seq.request_id].output_kind
-            if reason is not FinishReason.STOP and seq.params.stop and kind.has_text:
-                reason = self._detokenize(seq) or reason  # the last token has text too
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.runner.release(seq)
-                finished.append(seq)
+        # A step may run nothing (every running sequence was preempted, or is about to finish);
+        # the trace still records it.
+        launched = None
+        if out.scheduled:
+            sampled = self.runner.launch(out.scheduled, previous.sampled if previous else None)
+            launched = InFlightStep(out.scheduled, sampled)
+        # async: the device runs `launched` while the host reads and applies `previous`
+        updated, finished = self._process(previous, launched) if previous else ([], [])
+        if launched is not None:
+            self._update_after_launch(launched)
+            if self.config.async_scheduling:
+                self.in_flight = launched
+            else:
+                more_updated, more_finished = self._process(launched, None)
+                updated += more_updated
+                finished += more_finished
         if self.trace is not None:
             self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
         outputs = [
@@ -277,6 +310,53 @@ class LLMEngine:
         for seq in finished:
             del self.requests[seq.request_id]  # delivered: the engine forgets it
         return outputs
+
+    def _update_after_launch(self, step: InFlightStep) -> None:
+        """The launched step's tokens count as computed, and each token it samples as a
+        placeholder, before anyone reads them: the next step is scheduled on them, and the
+        blocks they fill enter the prefix cache (those of known tokens: block_manager.py)."""
+        for seq, num_new in step.scheduled:
+            if seq.is_finished:
+                continue  # stopped one step late: what this step computes for it is dropped
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens == seq.num_tokens + seq.num_output_placeholders:
+                seq.num_output_placeholders += 1  # caught up: this step samples its next token
+            # a later step that reads these blocks runs after this one on the device
+            self.block_manager.cache_full_blocks(seq)
+
+    def _process(
+        self, step: InFlightStep, next_step: InFlightStep | None
+    ) -> tuple[list[Sequence], list[Sequence]]:
+        """Reads a launched step's tokens (waiting for the device if need be) and applies them:
+        tokens are appended, finished sequences retire. `next_step`, launched after `step` and
+        still running, keeps its finished sequences' blocks until it is done.
+        -> (sequences that got a token, sequences that finished)."""
+        samples = iter(step.sampled.read())  # `step` is done once its tokens are here
+        self.scheduler.free_finished_in_flight()  # finished while `step` ran, which wrote them
+        updated, finished = [], []
+        for seq, _ in step.scheduled:
+            sample = next(samples) if seq.seq_id in step.sampled.row_of else None
+            if seq.is_finished:
+                continue  # aborted, or stopped a step late: its token never reaches an output
+            if sample is None:
+                continue
+            seq.num_output_placeholders -= 1
+            token = sample.token_id
+            seq.token_ids.append(token)
+            if sample.logprobs is not None:
+                self.requests[seq.request_id].logprobs.append(sample.logprobs)
+            updated.append(seq)
+            reason = self._finish_reason(seq, token)
+            # a stop token's own text is never shown; only stop strings need the text each step
+            kind = self.requests[seq.request_id].output_kind
+            if reason is not FinishReason.STOP and seq.params.stop and kind.has_text:
+                reason = self._detokenize(seq) or reason  # the last token has text too
+            if reason is not None:
+                in_flight = next_step is not None and seq.seq_id in next_step.seq_ids
+                self.scheduler.finish(seq, reason, in_flight)
+                self.runner.release(seq)
+                finished.append(seq)
+        return updated, finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

@@ -23,7 +23,9 @@ Invariants:
   (writes nowhere) and seq_len 0 (reads nothing), the convention of attention.py;
 - a host buffer is rewritten only after the copies that read it last step are done
   (`wait_for_copies`);
-- every rank receives the buffers a step reads, in the same order, so the forward passes agree.
+- every rank receives the buffers a step reads, in the same order, so the forward passes agree;
+  with overlap scheduling rank 0 fills the placeholder input ids on the device before it sends
+  them (model_runner.py), so the other ranks never need the sampled ids.
 """
 
 import enum
@@ -80,13 +82,18 @@ class HostBlockTables:
 class PreparedStep:
     """What `prepare` made of a schedule: the model's inputs, and how to read its outputs."""
 
-    def __init__(self, num_seqs, num_tokens, num_sampled, graph_batch_size, batch, samples):
+    def __init__(self, num_seqs, num_tokens, num_sampled, graph_batch_size, batch, samples,
+                 num_fed=0, prev_sampled=None):  # fmt: skip
         self.num_seqs = num_seqs
         self.num_tokens = num_tokens
         self.num_sampled = num_sampled  # sequences whose logits are computed
         self.graph_batch_size = graph_batch_size  # the CUDA graph bucket, or None: run eagerly
         self.batch = batch  # ForwardBatch of an eager step, None for a graph replay
         self.samples = samples  # (S,) bool numpy: which scheduled sequences sample (rank 0 only)
+        # Overlap scheduling (rank 0 only): input ids that are placeholders, taken on the device
+        # from `prev_sampled`, the previous step's sampled ids (R',)
+        self.num_fed = num_fed
+        self.prev_sampled = prev_sampled
 
     @property
     def buffer_rows(self) -> tuple[int, int, int]:
@@ -117,6 +124,14 @@ class StepInputs:
         self.seq_lens, self.seq_lens_d = self._buffer("seq_lens", max_seqs)
         self.logits_indices, self.logits_indices_d = self._buffer("logits_indices", max_seqs)
         self.block_tables, self.block_tables_d = self._buffer("block_tables", max_seqs, max_blocks)
+        # Overlap scheduling, rank 0's own (the ranks receive input ids with them filled in):
+        # where in input_ids each placeholder goes, and its row in the previous step's sampled ids
+        self.placeholder_indices, self.placeholder_indices_d = self._buffer(
+            "placeholder_indices", max_seqs, dtype=torch.long
+        )
+        self.prev_sampled_rows, self.prev_sampled_rows_d = self._buffer(
+            "prev_sampled_rows", max_seqs, dtype=torch.long
+        )
         self.slot_mapping_d.fill_(PAD_SLOT_ID)  # graph capture and warm-up write nothing
         # The host buffers are rewritten next step; the copies reading them must be done by then.
         self.copied = torch.cuda.Event() if self.on_gpu else None
@@ -145,10 +160,14 @@ class StepInputs:
         if self.copied is not None:
             self.copied.synchronize()  # long done in practice: the last step's tokens were read
 
-    def copy_to_device(self, num_tokens, num_seqs, num_sampled, width) -> None:
+    def copy_to_device(self, num_tokens, num_seqs, num_sampled, width, num_fed) -> None:
         if not self.on_gpu:
             return
-        for host, dev in self.step_views(num_tokens, num_seqs, num_sampled, width):
+        views = self.step_views(num_tokens, num_seqs, num_sampled, width)
+        for name in ("placeholder_indices", "prev_sampled_rows"):
+            host, dev = self.pairs[name]
+            views.append((host[:num_fed], dev[:num_fed]))
+        for host, dev in views:
             dev.copy_(host, non_blocking=True)
         self.copied.record()
 

@@ -19,10 +19,15 @@ sampling pass that draws row by row.
   and copies them to preallocated device buffers without blocking (input_batch.py).
 - Decode-only steps (every scheduled sequence brings one token and samples) replay a CUDA graph
   captured for the smallest bucket that holds the batch (cuda_graph.py); other steps run eagerly.
-- `sample_batch` samples the whole batch on the device. A step waits on the device twice: in
-  `prepare`, for the copies of the previous step's inputs before their host buffers are
-  rewritten (an `Event.synchronize()`, already complete when the previous step's tokens were
-  read), and at `.tolist()` of its tokens, its one device-to-host copy.
+- `sample_batch` samples the whole batch on the device; the sampled ids are copied to pinned host
+  memory without blocking. A step waits on the device twice: in `prepare`, for the copies of the
+  previous step's inputs before their host buffers are rewritten (an `Event.synchronize()`,
+  already complete when the previous step's tokens were read), and in `SampledTokens.tolist()`,
+  for its own tokens.
+- Overlap scheduling (engine.py): `launch` queues a whole step and returns at once. A sequence
+  whose last input token was sampled by the previous step, not yet read by the host (a
+  placeholder), gets it on the device: `execute` gathers it from the previous step's
+  `SampledTokens.device` into the input ids, so no token makes a round trip through the host.
 - Tensor parallelism (worker.py): rank 0's runner broadcasts each prepared step's buffers
   before running it; the other ranks' runners only receive steps and run `forward`, never
   `prepare` or sampling, and their KV caches hold their ranks' KV heads.
@@ -31,8 +36,11 @@ Phase 8: what a server's clients ask for. In a step where some row has a logit b
 of its `min_tokens` (its EOS and stop tokens are then biased to -inf), the logits are biased in
 one batched scatter-add; in a step where some row has penalties, they are penalized in one
 batched pass; both before `sample_batch`, in vLLM's order. Rows that asked for logprobs get them
-from the raw logits, beside their token (`SampledToken`). A step where no row asks for any of
-these runs exactly phase 7's path, with its one device-to-host copy; logprobs add their own.
+from the raw logits, computed on the device right after sampling and copied back with the
+tokens (`SampledTokens.read` pairs each token with them: `SampledToken`). A step where no row
+asks for any of these runs exactly phase 7's path, with its one device-to-host copy; logprobs
+add their own. Overlap scheduling needs nothing from the host for them: a placeholder token
+counts for min_tokens, and the penalties take it from the device, where `execute` has it.
 """
 
 from dataclasses import dataclass
@@ -49,6 +57,7 @@ from .kv_cache import KVCache, copy_blocks
 from .kv_cache_config import KVCacheConfig
 from .model import Qwen3ForCausalLM
 from .sampling import (
+    LogprobsTensors,
     SamplingBatch,
     TokenLogprobs,
     apply_logit_bias,
@@ -70,8 +79,38 @@ class SampledBatch:
     """One step's sampling, still on the device (no sync yet)."""
 
     token_ids: torch.Tensor  # (R,) int64: one per sampling row
-    raw_logits: torch.Tensor  # (R, V): before penalties; read only for rows that want logprobs
-    logprobs: list[int | None]  # per sampling row: how many alternatives it asked for, or None
+    logprobs: LogprobsTensors | None  # of the rows that asked; None if none did
+
+
+class SampledTokens:
+    """One step's sampled token ids, one per sequence that sampled, in schedule order.
+
+    `device` (R,) stays on the device: the next step takes its placeholder input ids from it.
+    `tolist()` is the host's view: it waits for the copy queued right after sampling (into
+    pinned memory, without blocking), so a host that reads step N's tokens after launching step
+    N+1 never leaves the device idle.
+    """
+
+    def __init__(self, seq_ids: list[int], device: torch.Tensor, host: torch.Tensor, copied,
+                 logprobs: LogprobsTensors | None = None):  # fmt: skip
+        self.row_of = {seq_id: row for row, seq_id in enumerate(seq_ids)}
+        self.device = device
+        self.host = host  # device's twin in host memory, complete once `copied` has fired
+        self.copied = copied  # a CUDA event; None where the device is the CPU (nothing to wait)
+        self.logprobs = logprobs  # in host memory once `copied` has fired, like `host`
+
+    def tolist(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+    def read(self) -> list[SampledToken]:
+        """Each sampled token with its logprobs (None for the rows that did not ask)."""
+        tokens = self.tolist()
+        if self.logprobs is None:
+            return [SampledToken(t, None) for t in tokens]
+        logprobs = self.logprobs.tolists(tokens)
+        return [SampledToken(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
 
 
 class ModelRunner:
@@ -106,23 +145,39 @@ class ModelRunner:
                                  self.device)  # fmt: skip
         self.host_block_tables = HostBlockTables(self.max_blocks)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's stream
+        # Host copies of the sampled ids, used in turn: step N's copy is read after step N+1's
+        # is queued (overlap scheduling), so one buffer would be overwritten before it is read.
+        self.sampled_host = [
+            torch.empty(config.max_num_seqs, dtype=torch.long, pin_memory=True)
+            for _ in range(2 if self.device.type == "cuda" else 0)
+        ]
+        self.num_launched = 0
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             buckets = decode_buckets(config.max_num_seqs)
             self.graphs = DecodeGraphs(self._decode_forward, buckets)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> PreparedStep:
-        """Packs the scheduled sequences into the input buffers and queues their copy."""
+    def prepare(
+        self, scheduled: list[tuple[Sequence, int]], previous: SampledTokens | None = None
+    ) -> PreparedStep:
+        """Packs the scheduled sequences into the input buffers and queues their copy. A
+        sequence's last input may be a placeholder, sampled by `previous` (the step launched
+        before this one): `execute` fills it in on the device."""
         inp, S = self.inputs, len(scheduled)
         inp.wait_for_copies()
         starts, num_new, num_tokens, table_rows, token_ids = [], [], [], [], []
+        fed, fed_rows = [], []  # sequences whose last input is a placeholder; its row in previous
         mirror, tables = self.host_block_tables, self.block_manager.block_tables
-        for seq, n in scheduled:  # per sequence, never per token
+        for i, (seq, n) in enumerate(scheduled):  # per sequence, never per token
             start = seq.num_computed_tokens
             starts.append(start)
             num_new.append(n)
-            num_tokens.append(len(seq.token_ids))
+            num_tokens.append(seq.num_tokens + seq.num_output_placeholders)
             token_ids += seq.token_ids[start : start + n]
+            if start + n > seq.num_tokens:  # a placeholder: only ever one, the last input
+                token_ids.append(0)  # overwritten on the device
+                fed.append(i)
+                fed_rows.append(previous.row_of[seq.seq_id])
             table_rows.append(mirror.row(seq.seq_id, tables[seq.seq_id]))
         starts, num_new = np.array(starts), np.array(num_new)
         ends = starts + num_new
@@ -146,14 +201,18 @@ class ModelRunner:
         inp.query_start_loc[: S + 1] = qsl
         inp.seq_lens[:S] = ends
         inp.logits_indices[:num_sampled] = qsl[1:][samples] - 1
+        inp.placeholder_indices[: len(fed)] = qsl[1:][fed] - 1  # the sequence's last input
+        inp.prev_sampled_rows[: len(fed)] = fed_rows
         batch = None
         if graph_batch_size is None:
             batch = inp.forward_batch(S, N, num_sampled, int(num_new.max()), int(ends.max()), width)
-        step = PreparedStep(S, N, num_sampled, graph_batch_size, batch, samples)
+        prev_sampled = previous.device if fed else None
+        step = PreparedStep(S, N, num_sampled, graph_batch_size, batch, samples, len(fed),
+                            prev_sampled)  # fmt: skip
         tokens, rows, sampled = step.buffer_rows
         if rows > S:  # padded rows S..rows-1 write nowhere and read nothing
             self._pad(S, rows, N)
-        inp.copy_to_device(tokens, rows, sampled, width)
+        inp.copy_to_device(tokens, rows, sampled, width, len(fed))
         return step
 
     def _pad(self, num_seqs: int, rows: int, num_tokens: int) -> None:
@@ -185,17 +244,27 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, scheduled: list[tuple[Sequence, int]], step: PreparedStep) -> SampledBatch:
         """Forward and sampling, queued on the device: -> token ids (R,) of the sampling rows."""
+        sampled = None  # (F,) the placeholders' tokens, in schedule order
+        if step.num_fed:  # placeholders, gathered on the device before anyone reads input_ids
+            inp, n = self.inputs, step.num_fed
+            sampled = step.prev_sampled.index_select(0, inp.prev_sampled_rows_d[:n])
+            inp.input_ids_d.index_copy_(0, inp.placeholder_indices_d[:n], sampled)
         if self.model.tp.size > 1:  # tensor parallelism: the other ranks run this step too
             send_step(self.inputs, step)
         logits = self.forward(step)
         chosen = [s for (s, _), f in zip(scheduled, step.samples.tolist(), strict=True) if f]
         if not chosen:
-            return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device), logits, [])
-        return self.sample(logits, chosen)
+            return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device), None)
+        return self.sample(logits, chosen, sampled)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], placeholders: torch.Tensor | None = None
+    ) -> SampledBatch:
         """logits (R, V) of `seqs`' sampling rows -> their tokens, biased and penalized where
-        asked (host-side checks first: a step where no row asks runs no extra pass)."""
+        asked (host-side checks first: a step where no row asks runs no extra pass), and the
+        logprobs of the rows that ask, from the raw logits. `placeholders` (F,): the last output
+        token of each sequence with a placeholder, in order, on the device (overlap scheduling:
+        sampled by the step before, unknown to the host); the penalties count it there."""
         params = [s.params for s in seqs]
         raw_logits = logits
         if any(p.logit_bias or p.min_tokens for p in params):
@@ -205,42 +274,62 @@ class ModelRunner:
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
                 logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                params,
+                params, self._placeholder_rows(seqs, placeholders),
             )  # fmt: skip
         generators = [self._generator(s) for s in seqs]
         batch = SamplingBatch.build(params, generators, logits.shape[-1], self.device)
-        return SampledBatch(sample_batch(logits, batch), raw_logits, [p.logprobs for p in params])
+        token_ids = sample_batch(logits, batch)
+        wanted = [r for r, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return SampledBatch(token_ids, None)
+        ks = [params[r].logprobs for r in wanted]
+        # now, while the raw logits are there: a graph replay's are overwritten by the next step
+        return SampledBatch(token_ids, token_logprobs(raw_logits, token_ids, wanted, ks))
+
+    def _placeholder_rows(
+        self, seqs: list[Sequence], placeholders: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids) of the placeholders among `seqs`' sampling rows, on the device. A
+        sequence that samples has a placeholder exactly when its input is one (`prepare`), so
+        they come in the order `placeholders` has."""
+        if placeholders is None:
+            return None
+        rows = [r for r, s in enumerate(seqs) if s.num_output_placeholders]
+        assert len(rows) == len(placeholders)
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), placeholders
 
     def _logit_bias(self, seq: Sequence) -> dict[int, float]:
-        """The request's logit_bias, plus -inf on what may not end it before min_tokens."""
+        """The request's logit_bias, plus -inf on what may not end it before min_tokens (which
+        counts a placeholder token, not yet read, as the token it is)."""
         params = seq.params
         bias = params.logit_bias or {}
-        if seq.num_output_tokens >= params.min_tokens:
+        if seq.num_output_tokens + seq.num_output_placeholders >= params.min_tokens:
             return bias
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         return {**bias, **dict.fromkeys(stops, float("-inf"))}
 
     @torch.no_grad()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
-        """One forward step. Returns the sampled token per scheduled sequence (None mid-prompt)."""
-        step = self.prepare(scheduled)
+    def launch(
+        self, scheduled: list[tuple[Sequence, int]], previous: SampledTokens | None = None
+    ) -> SampledTokens:
+        """Queues one step on the device (inputs, forward, sampling, the copy of its tokens to the
+        host) and returns without waiting for any of it. `previous`: the step launched before,
+        whose tokens this one's placeholders are."""
+        step = self.prepare(scheduled, previous)
         sampled = self.execute(scheduled, step)
-        tokens = sampled.token_ids.tolist()  # the one device -> host copy (logprobs aside)
-        samples = iter(self.with_logprobs(sampled, tokens))
-        return [next(samples) if f else None for f in step.samples.tolist()]
-
-    def with_logprobs(self, sampled: SampledBatch, tokens: list[int]) -> list[SampledToken]:
-        """Each sampled token with its logprobs, computed only for the rows that asked."""
-        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
-        wanted = [i for i, k in enumerate(sampled.logprobs) if k is not None]
-        if wanted:
-            found = token_logprobs(
-                sampled.raw_logits[wanted], [tokens[i] for i in wanted],
-                [sampled.logprobs[i] for i in wanted],
-            )  # fmt: skip
-            for i, lp in zip(wanted, found, strict=True):
-                logprobs[i] = lp
-        return [SampledToken(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+        ids, logprobs = sampled.token_ids, sampled.logprobs
+        samples = step.samples.tolist()
+        seq_ids = [s.seq_id for (s, _), f in zip(scheduled, samples, strict=True) if f]
+        if not self.sampled_host:  # the CPU: the ids are already in host memory, computed
+            return SampledTokens(seq_ids, ids, ids, None, logprobs)
+        self.num_launched += 1
+        host = self.sampled_host[self.num_launched % 2][: len(ids)]
+        host.copy_(ids, non_blocking=True)
+        if logprobs is not None:
+            logprobs = logprobs.to_host()
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampledTokens(seq_ids, ids, host, copied, logprobs)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:

@@ -45,7 +45,8 @@ Phase 8 (what a server's clients ask for, as the OpenAI API names it):
   steps where some row has either (`apply_logit_bias`);
 - `logprobs`: the log-probability of each sampled token under the model's raw distribution
   (before bias, penalties, temperature and filters), plus the `logprobs` most likely
-  alternatives, computed only for the rows that ask (`token_logprobs`).
+  alternatives, computed only for the rows that ask, on the device right after sampling
+  (`token_logprobs`), and read when the sampled token is (`LogprobsTensors.tolists`).
 `top_k` -1 or 0 means no top-k filter, as in vLLM (stored as None).
 """
 
@@ -323,11 +324,15 @@ def apply_penalties(
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
+    placeholders: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """logits (R, V), one row per request -> penalized logits (R, V), float32, a new tensor.
 
     Batched: every row's token ids go to the device in one flat list, and the penalties are a
     few whole-batch tensor ops. A row without penalties (r = 1, f = p = 0) comes out unchanged.
+    `placeholders` (rows (F,), token ids (F,), on the device): one more output token for each of
+    those rows, sampled by the step before and not yet read by the host (overlap scheduling),
+    counted where it is.
     """
     R, V = logits.shape
     device = logits.device
@@ -337,6 +342,9 @@ def apply_penalties(
         to([t for ids in lists for t in ids]),
     )  # (row index, token id) per token
     out_rows, out_ids = flat(output_token_ids)
+    if placeholders is not None:
+        rows, ids = placeholders
+        out_rows, out_ids = torch.cat([out_rows, rows]), torch.cat([out_ids, ids])
     output_counts = torch.zeros(R, V, device=device)  # (R, V): occurrences in the output
     output_counts.index_put_(
         (out_rows, out_ids), torch.ones(len(out_ids), device=device), accumulate=True
@@ -364,18 +372,44 @@ class TokenLogprobs:
     top_logprobs: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
 
 
+@dataclass
+class LogprobsTensors:
+    """The logprobs of a step's sampling rows that asked for them (vLLM's name), computed on the
+    device right after sampling; `tolists` reads them once the step is done."""
+
+    rows: list[int]  # the sampling rows that asked
+    ks: list[int]  # how many alternatives each asked for
+    values: torch.Tensor  # (W, 1 + K): the sampled token's logprob, then the K most likely's
+    top_ids: torch.Tensor  # (W, K) int64: the K most likely tokens, most likely first
+
+    def to_host(self) -> "LogprobsTensors":
+        """Copies into pinned host memory, queued without blocking: complete once an event
+        recorded after this call has fired."""
+        values = torch.empty(self.values.shape, pin_memory=True)
+        top_ids = torch.empty(self.top_ids.shape, dtype=torch.long, pin_memory=True)
+        values.copy_(self.values, non_blocking=True)
+        top_ids.copy_(self.top_ids, non_blocking=True)
+        return LogprobsTensors(self.rows, self.ks, values, top_ids)
+
+    def tolists(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
+        """Per sampling row (`token_ids`: what each sampled), its logprobs or None. Two reads
+        for the whole batch (values, then ids), none per row."""
+        result: list[TokenLogprobs | None] = [None] * len(token_ids)
+        values, ids = self.values.tolist(), self.top_ids.tolist()
+        for row, k, row_values, row_ids in zip(self.rows, self.ks, values, ids, strict=True):
+            top_k = tuple(zip(row_ids[:k], row_values[1 : k + 1], strict=True))
+            result[row] = TokenLogprobs(token_ids[row], row_values[0], top_k)
+        return result
+
+
 def token_logprobs(
-    logits: torch.Tensor, token_ids: list[int], ks: list[int]
-) -> list[TokenLogprobs]:
-    """logits (R, V) raw; per row, its sampled token's logprob and its top ks[row] alternatives.
-    Two device-to-host copies for the whole batch (values, then ids), none per row."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
-    chosen = torch.tensor(token_ids, dtype=torch.long).to(logits.device, non_blocking=True)
-    top = logprobs.topk(min(max(ks), logits.shape[-1]), dim=-1)  # (R, K); K = 0: empty
-    values = torch.cat([logprobs.gather(1, chosen[:, None]), top.values], dim=1).tolist()
-    ids = top.indices.tolist()
-    result = []
-    for token_id, k, row_values, row_ids in zip(token_ids, ks, values, ids, strict=True):
-        top_k = tuple(zip(row_ids[:k], row_values[1 : k + 1], strict=True))
-        result.append(TokenLogprobs(token_id, row_values[0], top_k))
-    return result
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[int], ks: list[int]
+) -> LogprobsTensors:
+    """logits (R, V) raw, token_ids (R,) sampled, both on the device -> the logprobs of `rows`
+    (row rows[i] asks for ks[i] alternatives). Queued on the device: no sync, nothing read."""
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # (W, V)
+    chosen = token_ids.index_select(0, index)[:, None]  # (W, 1)
+    top = logprobs.topk(min(max(ks), logits.shape[-1]), dim=-1)  # (W, K); K = 0: empty
+    values = torch.cat([logprobs.gather(1, chosen), top.values], dim=1)
+    return LogprobsTensors(rows, ks, values, top.indices)

@@ -26,9 +26,18 @@ Since phase 4: KV room is counted in blocks (block_manager.py). On admission the
 prefix of the sequence's tokens is mapped from the prefix cache and counted as computed, so only
 the rest is scheduled; a preempted sequence often finds its own old blocks still cached.
 
-Invariants (check_invariants): every running sequence has a block table and no other sequence has
-one; running <= max_num_seqs; waiting sequences have num_computed_tokens == 0; swapped sequences
-hold CPU blocks for exactly their computed tokens, and no other sequence holds any.
+Overlap scheduling (engine.py) schedules step N+1 before the host has read step N's tokens. A
+token being sampled counts as a placeholder (`num_output_placeholders`): a sequence that sampled
+in step N decodes it in step N+1, and one whose last token (max_tokens) is being sampled is not
+scheduled again. A stop token is seen one step late, so the stopped sequence may already be in
+the step running on the device; it keeps its blocks (`finished_in_flight`) until that step is
+done, then `free_finished_in_flight` returns them.
+
+Invariants (check_invariants): every running sequence has a block table, so does every finished
+sequence whose last step still runs, and no other sequence has one; running <= max_num_seqs;
+waiting sequences have num_computed_tokens == 0; swapped sequences hold CPU blocks for exactly
+their computed tokens, and no other sequence holds any; between steps only running sequences
+have placeholders, at most one each.
 """
 
 from collections import deque
@@ -60,6 +69,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.swapped: deque[Sequence] = deque()  # preempted with their blocks on the CPU
+        self.finished_in_flight: list[Sequence] = []  # finished, but a running step writes them
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -87,7 +97,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            num_new = self._num_new_tokens(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_output_tokens + seq.num_output_placeholders >= seq.params.max_tokens:
+                continue  # its last token is being sampled: it finishes when the host reads it
+            remaining = seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
+            num_new = self._num_new_tokens(remaining, budget)
             if num_new == 0:
                 continue
             while not self.block_manager.can_append_slots(seq, num_new):
@@ -154,11 +167,16 @@ class Scheduler:
         seq.num_computed_tokens = 0  # recompute: its keys/values are gone
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Takes a sequence out of the engine (stopped, length reached or aborted)."""
+    def finish(self, seq: Sequence, reason: FinishReason, in_flight: bool = False) -> None:
+        """Takes a sequence out of the engine (stopped, length reached or aborted). `in_flight`:
+        a step launched on the device still computes it, so it keeps its blocks (the device may
+        still write them) until `free_finished_in_flight`, once that step is done."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.block_manager.free(seq)
+            if in_flight:
+                self.finished_in_flight.append(seq)
+            else:
+                self.block_manager.free(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.SWAPPED:
@@ -167,20 +185,32 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def free_finished_in_flight(self) -> None:
+        """Frees the blocks of the sequences that finished while a step still computed them:
+        called once that step is done."""
+        for seq in self.finished_in_flight:
+            self.block_manager.free(seq)
+        self.finished_in_flight.clear()
+
     def check_invariants(self) -> None:
         self.block_manager.check_invariants()
-        assert set(self.block_manager.block_tables) == {s.seq_id for s in self.running}
+        holders = self.running + self.finished_in_flight
+        assert set(self.block_manager.block_tables) == {s.seq_id for s in holders}
         assert len(self.running) <= self.config.max_num_seqs
         for seq in self.running:
             assert seq.status == SequenceStatus.RUNNING
-            assert 0 <= seq.num_computed_tokens <= seq.num_tokens
+            assert seq.num_output_placeholders in (0, 1)
+            assert 0 <= seq.num_computed_tokens <= seq.num_tokens + seq.num_output_placeholders
             table = self.block_manager.block_tables[seq.seq_id]
             assert len(table) * self.block_manager.block_size >= seq.num_computed_tokens
+        for seq in self.finished_in_flight:
+            assert seq.status == SequenceStatus.FINISHED
         for seq in self.waiting:
             assert seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0
+            assert seq.num_output_placeholders == 0
         assert set(self.block_manager.cpu_block_tables) == {s.seq_id for s in self.swapped}
         for seq in self.swapped:
-            assert seq.status == SequenceStatus.SWAPPED
+            assert seq.status == SequenceStatus.SWAPPED and seq.num_output_placeholders == 0
             assert len(self.block_manager.cpu_block_tables[seq.seq_id]) == -(
                 -seq.num_computed_tokens // self.block_manager.block_size
             )

@@ -11,7 +11,12 @@ Lifecycle: WAITING -> RUNNING -> FINISHED, and RUNNING -> WAITING when preempted
 dropped and `num_computed_tokens` goes back to 0: the tokens are recomputed later), or
 RUNNING -> SWAPPED -> RUNNING when preempted in swap mode (its blocks wait in CPU memory).
 
-Invariants: 0 <= num_computed_tokens <= num_tokens; num_tokens = num_prompt_tokens + outputs.
+Overlap scheduling (engine.py): a token sampled by a step still running on the device is counted
+in `num_output_placeholders` (vLLM's name) until the host reads it; the scheduler treats it as a
+token that exists, the model runner feeds it to the next step from the device.
+
+Invariants: 0 <= num_computed_tokens <= num_tokens + num_output_placeholders;
+num_tokens = num_prompt_tokens + outputs (the tokens the host knows).
 """
 
 import enum
@@ -42,6 +47,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # sampled on the device, not yet read by the host
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
 

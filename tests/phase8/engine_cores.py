@@ -20,15 +20,15 @@ SLOW_STEP_S = 0.03
 def make_test_llm(spec: EngineCoreSpec) -> LLM:
     llm = build_llm(spec)
     runner = llm.engine.runner
-    run = runner.run
+    launch = runner.launch
 
-    def run_with_marks(scheduled):
+    def launch_with_marks(scheduled, previous=None):
         starts = [seq.token_ids[:2] for seq, _ in scheduled]
         if FAULT_MARK in starts:
             raise RuntimeError("injected fault")
         if SLOW_MARK in starts:
             time.sleep(SLOW_STEP_S)
-        return run(scheduled)
+        return launch(scheduled, previous)
 
-    runner.run = run_with_marks
+    runner.launch = launch_with_marks
     return llm

@@ -9,7 +9,7 @@ import pytest
 
 from phase8_serving.engine import LLM, RequestOutputKind
 from phase8_serving.engine_core import EngineCoreOutput, StepOutputs
-from phase8_serving.metrics import EngineMetrics, EngineStats
+from phase8_serving.metrics import EngineMetrics, EngineStats, cache_config_info
 from phase8_serving.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
@@ -44,13 +44,15 @@ def core_outputs(llm, prompt, params) -> list[EngineCoreOutput]:
 
 def process_all(llm, prompt, params, outputs) -> tuple[list[OutputDelta], list[str]]:
     """Feeds the outputs to an output processor, one step each; returns the deltas and aborts."""
-    processor = OutputProcessor(llm.get_tokenizer(), EngineMetrics("m", EngineStats))
+    metrics = EngineMetrics("m", EngineStats, 128, cache_config_info(16, 8, 0, True))
+    processor = OutputProcessor(llm.get_tokenizer(), metrics)
     collector = RequestOutputCollector()
     request_id = outputs[0].request_id
     detokenizer = make_detokenizer(llm.get_tokenizer(), prompt, params.skip_special_tokens)
     processor.add(RequestState(request_id, 0, collector, detokenizer, params.stop, 0,
                                len(prompt), params.max_tokens))  # fmt: skip
     deltas, aborts = [], []
+    outputs[0].arrival_time = outputs[0].scheduled_time = 0.0  # the core's, on a first output
     for i, output in enumerate(outputs):
         finished, to_abort = processor.process(StepOutputs([output], float(i), EngineStats()))
         aborts += to_abort

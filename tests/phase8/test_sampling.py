@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from phase8_serving.model_runner import ModelRunner
+from phase8_serving.model_runner import ModelRunner, SampledTokens
 from phase8_serving.sampling import (
     SamplingParams,
     apply_logit_bias,
@@ -114,10 +114,14 @@ def test_runner_penalizes_the_sampled_rows():
 
 
 def test_logprobs_are_the_raw_log_softmax():
-    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    chosen = [4, 0, 9, 17]
+    computed = token_logprobs(logits, torch.tensor(chosen), [0, 1, 3], [0, 2, 5])
+    result = computed.tolists(chosen)
+    assert result[2] is None  # row 2 did not ask
+    del result[2]
     chosen = [4, 0, 17]
-    result = token_logprobs(logits, chosen, [0, 2, 5])
-    expected = torch.log_softmax(logits, dim=-1)
+    expected = torch.log_softmax(logits[[0, 1, 3]], dim=-1)
     for row, lp in enumerate(result):
         assert lp.token_id == chosen[row]
         assert lp.logprob == pytest.approx(expected[row, chosen[row]].item(), abs=1e-6)
@@ -136,7 +140,8 @@ def test_runner_returns_logprobs_only_when_asked():
     ]
     seqs[1].seq_id = 1
     sampled = runner.sample(logits, seqs)
-    first, second = runner.with_logprobs(sampled, sampled.token_ids.tolist())
+    ids = sampled.token_ids
+    first, second = SampledTokens([0, 1], ids, ids, None, sampled.logprobs).read()
     assert second.logprobs is None
     assert first.logprobs.token_id == first.token_id == int(logits[0].argmax())
     assert len(first.logprobs.top_logprobs) == 3
@@ -204,3 +209,35 @@ def test_top_k_off_spellings_and_token_id_checks():
 def test_bad_min_tokens_and_logit_bias_name_the_field(kwargs, field):
     with pytest.raises((ValueError, TypeError), match=field):
         SamplingParams(**kwargs)  # max_tokens 16
+
+
+def test_penalties_count_the_placeholder_tokens_on_the_device():
+    """Overlap scheduling: a row's last output token may be known only on the device; counted
+    there, it penalizes exactly as it would in the host's list."""
+    rng = random.Random(3)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    prompts = [[rng.randrange(VOCAB) for _ in range(4)] for _ in range(3)]
+    outputs = [[rng.randrange(VOCAB) for _ in range(5)] for _ in range(3)]
+    params = [random_params(rng) for _ in range(3)]
+    known = apply_penalties(logits, prompts, outputs, params)
+    pending = (torch.tensor([0, 2]), torch.tensor([outputs[0][-1], outputs[2][-1]]))
+    short = [outputs[0][:-1], outputs[1], outputs[2][:-1]]
+    assert torch.equal(apply_penalties(logits, prompts, short, params, pending), known)
+    assert not torch.equal(apply_penalties(logits, prompts, short, params), known)
+
+
+def test_runner_counts_a_placeholder_for_penalties_and_min_tokens():
+    """A sequence whose last token is a placeholder is sampled as if the host knew it: the
+    presence penalty hits it, and it counts towards min_tokens."""
+    runner = bare_runner(eos_token_ids=frozenset({3}))
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 3], logits[:, 7], logits[:, 9] = 5.0, 6.0, 4.0  # 7, then EOS, then 9
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0, min_tokens=2)
+    seqs = [sequence([1], [9], params), sequence([1], [9], params)]
+    seqs[1].seq_id = 1
+    for seq in seqs:
+        seq.num_output_placeholders = 1  # its second output token is still on the device
+    got = runner.sample(logits, seqs, placeholders=torch.tensor([7, 9])).token_ids.tolist()
+    # row 0 (placeholder 7): 7 is penalized to 4 and min_tokens is met, so EOS (5) wins;
+    # row 1 (placeholder 9): 7 wins. Uncounted placeholders would give 7 in both rows.
+    assert got == [3, 7]
