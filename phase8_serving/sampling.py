@@ -350,7 +350,8 @@ def apply_penalties(
         (out_rows, out_ids), torch.ones(len(out_ids), device=device), accumulate=True
     )
     seen = output_counts > 0  # (R, V): in the prompt or the output
-    seen[flat(prompt_token_ids)] = True
+    # the value as a device tensor: a Python True would be copied from the host, a sync
+    seen.index_put_(flat(prompt_token_ids), torch.ones((), dtype=torch.bool, device=device))
     column = lambda name: torch.tensor(  # noqa: E731
         [getattr(p, name) for p in params], dtype=torch.float32
     ).to(device, non_blocking=True)[:, None]  # (R, 1)
