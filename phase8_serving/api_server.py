@@ -8,7 +8,8 @@ and carry the dishes back, either at once (a JSON body) or course by course as s
 events (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's models).
+GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's models),
+GET /dashboard (dashboard.py: the engine, live in a browser; off with `enable_dashboard=False`).
 
 Invariants:
 - anything a client can send gets a 2xx or a 4xx in the OpenAI error shape, never a 5xx:
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncLLM, EngineStepError, RequestStream
+from .dashboard import DashboardHub, add_dashboard_routes, dashboard_credential
 from .metrics import CONTENT_TYPE
 from .protocol import (
     ChatCompletionRequest,
@@ -59,6 +61,7 @@ class ServerConfig:
     model_name: str  # what clients put in "model"
     max_model_len: int  # prompt + completion tokens, at most
     api_key: str | None = None  # None: no authentication
+    enable_dashboard: bool = True  # GET /dashboard
 
     def __post_init__(self):
         if self.max_model_len < 2:
@@ -97,6 +100,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE)
 
+    if config.enable_dashboard:
+        hub = DashboardHub(llm.metrics.registry, poll=llm.snapshot)
+        add_dashboard_routes(app, hub, config.model_name)
     return app
 
 
@@ -110,7 +116,9 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            # a browser's EventSource sends no headers: the dashboard takes ?key= or a cookie
+            given = dict(scope["headers"]).get(b"authorization") or dashboard_credential(scope)
+            given = given or b""
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(
                     401, "Incorrect API key provided.", code="invalid_api_key"

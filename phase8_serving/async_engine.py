@@ -16,6 +16,7 @@ Invariants:
 - a request whose stream is closed before it finished is aborted: its KV blocks are freed by the
   engine thread's next command drain, which happens before its next step;
 - if a step raises, every request in flight gets that error and is aborted; the loop goes on;
+- `snapshot()` (the dashboard's) is taken by the engine thread between two steps, like a command;
 - on a GPU, phase 7's CUDA graphs were captured when the engine was built, before this thread
   exists; the thread makes the engine's GPU its current device, so its replays, kernels, copies
   and tensor-parallel broadcasts all go to that GPU's default stream, as they would in the
@@ -35,6 +36,7 @@ import torch
 from .engine import LLMEngine, RequestOutput
 from .metrics import EngineMetrics, EngineStats
 from .sampling import SamplingParams
+from .snapshot import engine_snapshot
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.1  # an idle engine thread rechecks for shutdown this often
@@ -118,6 +120,11 @@ class _Abort:
 
 
 @dataclass
+class _Snapshot:
+    taken: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
 class _Shutdown:
     pass
 
@@ -136,7 +143,9 @@ class AsyncLLM:
         self.model_name = model_name
         self.stats = EngineStats()  # replaced whole after every step (readers never see a mix)
         self.metrics = EngineMetrics(model_name, lambda: self.stats)
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Shutdown] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Snapshot | _Shutdown] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, tuple[RequestStream, _Timing]] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -164,6 +173,12 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def snapshot(self) -> dict:
+        """The engine's state between two steps (snapshot.py), for the dashboard."""
+        command = _Snapshot()
+        self._commands.put(command)
+        return await asyncio.wrap_future(command.taken)
+
     def shutdown(self) -> None:
         self._commands.put(_Shutdown())
         self._thread.join()
@@ -187,7 +202,10 @@ class AsyncLLM:
             if self.engine.has_unfinished_requests():
                 self._step()
 
-    def _handle(self, command: _Add | _Abort) -> None:
+    def _handle(self, command: _Add | _Abort | _Snapshot) -> None:
+        if isinstance(command, _Snapshot):
+            command.taken.set_result(engine_snapshot(self.engine))
+            return
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
             self._streams.pop(command.request_id, None)

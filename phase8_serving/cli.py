@@ -5,7 +5,9 @@
 - `mini-vllm chat`: an interactive conversation in the terminal, the reply streamed as it is
   generated (offline: no server involved);
 - `mini-vllm bench throughput|latency|serve`: vLLM's benchmarks (bench.py), the first two on an
-  engine built here, the last against a running server.
+  engine built here, the last against a running server;
+- `mini-vllm replay TRACE.json`: the dashboard's page on a step trace that phases 4-8 record
+  (replay.py), with a step slider.
 
 Every `EngineConfig` field is a flag of its own (`max_num_seqs` -> `--max-num-seqs`), derived
 from the dataclass, so a knob added to the engine is a flag here without touching this file
@@ -83,6 +85,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
     p.add_argument("--served-model-name", default=None, help="the name clients use as model")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion cap")
+    p.add_argument(
+        "--disable-dashboard", action="store_true", help="do not serve the /dashboard page"
+    )
     add_engine_args(p)
     p.set_defaults(handler=serve)
 
@@ -96,10 +101,15 @@ def serve(args: argparse.Namespace) -> None:
     llm = load_llm(args)
     engine = llm.engine
     name = args.served_model_name or args.model or MODEL_NAME
-    config = ServerConfig(name, resolve_max_model_len(engine, args.max_model_len), args.api_key)
+    max_model_len = resolve_max_model_len(engine, args.max_model_len)
+    config = ServerConfig(name, max_model_len, args.api_key, not args.disable_dashboard)
     async_llm = AsyncLLM(engine, name)
     app = build_app(async_llm, config)
-    logging.getLogger(__name__).info("serving %s on http://%s:%d", name, args.host, args.port)
+    url = f"http://{args.host}:{args.port}"
+    logging.getLogger(__name__).info("serving %s on %s", name, url)
+    if config.enable_dashboard:
+        key = "?key=KEY" if args.api_key else ""
+        logging.getLogger(__name__).info("dashboard: %s/dashboard%s", url, key)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
@@ -230,10 +240,31 @@ def bench(args: argparse.Namespace) -> None:
             llm.shutdown()
 
 
+# -- replay --------------------------------------------------------------------------------
+
+
+def add_replay_parser(subparsers) -> None:
+    p = subparsers.add_parser("replay", help="the dashboard on a recorded step trace")
+    p.add_argument("trace", help="a trace JSON written by StepTrace.to_chrome() (phases 4-8)")
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.set_defaults(handler=replay)
+
+
+def replay(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .replay import build_replay_app
+
+    app = build_replay_app(args.trace)  # a bad file fails here, before the server starts
+    print(f"replaying {args.trace} at http://{args.host}:{args.port}/dashboard", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
 # -- entry point ---------------------------------------------------------------------------
 
 # Each adds its subparser and sets `handler`.
-SUBCOMMANDS = (add_serve_parser, add_generate_parser, add_chat_parser, add_bench)
+SUBCOMMANDS = (add_serve_parser, add_generate_parser, add_chat_parser, add_bench, add_replay_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

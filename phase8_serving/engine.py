@@ -33,9 +33,11 @@ built. `LLM.generate` asks for final outputs only (`RequestOutputKind.FINAL_ONLY
 so a request without stop strings is detokenized once, when it finishes.
 
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
-for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
-requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). (`abort_request` frees
-a request's blocks at once; the server calls it when a client goes away.)
+for, `num_preemptions` counts preemptions for the server's metrics, and `num_steps` and
+`last_schedule` (the step's `SchedulerOutput`) let the dashboard show what the last step ran.
+A server streams, so its requests use `RequestOutputKind.CUMULATIVE` (the default of
+`add_request`). (`abort_request` frees a request's blocks at once; the server calls it when a
+client goes away.)
 """
 
 import atexit
@@ -137,6 +139,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0  # since start, for the server's metrics
+        self.num_steps = 0  # since start, for the dashboard
+        self.last_schedule = SchedulerOutput()  # what the last step ran, for the dashboard
 
     def add_request(
         self,
@@ -209,6 +213,8 @@ class LLMEngine:
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self.num_steps += 1
+        self.last_schedule = out
         try:
             return self._run(out, start)
         except BaseException:
@@ -242,7 +248,7 @@ class LLMEngine:
                 self.runner.release(seq)
                 finished.append(seq)
         if self.trace is not None:
-            self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
+            self.trace.record(start, time.perf_counter(), out, finished, self.scheduler)
         outputs = [
             self._output(seq)
             for seq in updated
