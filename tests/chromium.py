@@ -108,7 +108,7 @@ class Chromium:
     def open(self, url: str) -> "Page":
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})
-        page = Page(self, session["sessionId"])
+        page = Page(self, session["sessionId"], target)
         page.send("Emulation.setDeviceMetricsOverride", {"width": self.width,
                   "height": self.height, "deviceScaleFactor": 1, "mobile": False})  # fmt: skip
         page.send("Page.navigate", {"url": url})
@@ -116,8 +116,17 @@ class Chromium:
 
 
 class Page:
-    def __init__(self, browser: Chromium, session: str):
-        self.browser, self.session = browser, session
+    """A browser tab; use it as a context manager, so that it closes (and its page's
+    connections with it)."""
+
+    def __init__(self, browser: Chromium, session: str, target: str):
+        self.browser, self.session, self.target = browser, session, target
+
+    def __enter__(self) -> "Page":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.browser.send("Target.closeTarget", {"targetId": self.target})
 
     def send(self, method: str, params: dict | None = None) -> dict:
         return self.browser.send(method, params, self.session)
