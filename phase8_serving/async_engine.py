@@ -204,7 +204,8 @@ class AsyncLLM:
 
     def _handle(self, command: _Add | _Abort | _Snapshot) -> None:
         if isinstance(command, _Snapshot):
-            command.taken.set_result(engine_snapshot(self.engine))
+            if command.taken.set_running_or_notify_cancel():  # False: the page left meanwhile
+                command.taken.set_result(engine_snapshot(self.engine))
             return
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)

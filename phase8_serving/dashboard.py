@@ -106,6 +106,11 @@ class DashboardHub:
         self._pending: dict | None = None  # a snapshot that came too soon, sent when due
         self._poller: asyncio.Task | None = None
 
+    @property
+    def watching(self) -> bool:
+        """Whether a page is open (an engine that pushes snapshots need not take any if not)."""
+        return bool(self.clients)
+
     def publish(self, snapshot: dict) -> None:
         """Sends `snapshot` (with the minute's numbers) to every page, at most one per interval."""
         now = time.monotonic()

@@ -55,6 +55,9 @@ function render(frame) {
   setValue("num-swapped", String(frame.num_swapped), frame.num_swapped);
   setValue("kv-usage", `${(100 * frame.kv_usage).toFixed(1)}%`, frame.kv_usage);
   setValue("preemptions", String(frame.num_preemptions), frame.num_preemptions);
+  const cache = frame.prefix_cache;  // prompt tokens looked up and found, since the start
+  const hitRate = cache && cache.queries ? cache.hits / cache.queries : null;
+  setValue("prefix-hits", hitRate === null ? "–" : `${(100 * hitRate).toFixed(1)}%`, hitRate);
   const serving = frame.serving;  // live only: a trace records no latencies
   setValue("tok-s", serving ? serving.output_tok_s.toFixed(1) : "–", serving && serving.output_tok_s);
   setValue("ttft", formatSeconds(serving && serving.ttft_s), serving && serving.ttft_s);

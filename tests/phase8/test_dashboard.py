@@ -10,6 +10,7 @@ second to see it mid-flight. Without Chromium the browser tests skip, except in 
 where they fail: CI must run them.
 """
 
+import asyncio
 import json
 import os
 import re
@@ -143,6 +144,8 @@ def watch_a_run(page, url: str, before: dict[str, float]) -> None:
     assert page_value("preemptions") == after["vllm:num_preemptions_total"] > 0
     assert page_value("num-waiting") == after["vllm:num_requests_waiting"] == 0
     assert page_value("kv-usage") == after["vllm:kv_cache_usage_perc"] == 0
+    hits = after["vllm:prefix_cache_hits_total"] / after["vllm:prefix_cache_queries_total"]
+    assert hits > 0 and page_value("prefix-hits") == pytest.approx(hits)
     mean = lambda name: (  # noqa: E731
         (after[name + "_sum"] - before[name + "_sum"])
         / (after[name + "_count"] - before[name + "_count"])
@@ -188,6 +191,28 @@ def test_no_page_open_no_snapshot(dashboard_server, monkeypatch):
     count = len(taken)
     time.sleep(0.5)
     assert count > 0 and len(taken) == count, "snapshots went on after the page closed"
+
+
+def test_a_watcher_leaving_mid_snapshot_leaves_the_engine_running(dashboard_server):
+    """The hub's poll is cancelled when the last page leaves, maybe while the engine thread has
+    not yet taken the snapshot it asked for: the thread must skip it, not die on it."""
+    url, llm = dashboard_server
+    body = {"prompt": "busy", "max_tokens": 20, "ignore_eos": True}
+    busy = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                            kwargs={"json": body, "headers": AUTH, "timeout": 60})  # fmt: skip
+    busy.start()
+    time.sleep(0.1)  # the engine thread is stepping: the snapshot command waits for the step
+
+    async def ask_and_leave() -> None:
+        task = asyncio.ensure_future(llm.snapshot())
+        await asyncio.sleep(0)
+        task.cancel()
+
+    for _ in range(5):
+        asyncio.run(ask_and_leave())
+    busy.join()
+    assert llm.is_alive, "the engine thread died"
+    assert httpx.post(url + "/v1/completions", json=body, headers=AUTH).status_code == 200
 
 
 def test_disable_dashboard(dashboard_server):
