@@ -34,14 +34,16 @@ so a request without stop strings is detokenized once, when it finishes. The KV 
 when the engine starts, from the device's memory (kv_cache_config.py), and its capacity logged.
 
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
-for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
-requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). (`abort_request` frees
-a request's blocks at once; the server calls it when a client goes away.) The server's engine core
-process (engine_core.py) asks for `DELTA_TOKEN_IDS`: each step's new token ids and no text at all,
-because its front end detokenizes and finds stop strings in another process. `min_tokens` (vLLM's
-rule): before that many tokens, EOS and stop tokens cannot be sampled (model_runner.py) nor end
-the request, and a stop string counts only if it ends in text of a later token. Token ids a
-request names (stop tokens, logit bias) must be in the vocabulary, or `add_request` refuses it.
+for, `num_preemptions` counts preemptions for the server's metrics, and `num_steps` and
+`last_schedule` (the step's `SchedulerOutput`) let the dashboard show what the last step ran.
+A server streams, so its requests use `RequestOutputKind.CUMULATIVE` (the default of
+`add_request`). (`abort_request` frees a request's blocks at once; the server calls it when a
+client goes away.) The server's engine core process (engine_core.py) asks for `DELTA_TOKEN_IDS`:
+each step's new token ids and no text at all, because its front end detokenizes and finds stop
+strings in another process. `min_tokens` (vLLM's rule): before that many tokens, EOS and stop
+tokens cannot be sampled (model_runner.py) nor end the request, and a stop string counts only if
+it ends in text of a later token. Token ids a request names (stop tokens, logit bias) must be in
+the vocabulary, or `add_request` refuses it.
 """
 
 import atexit
@@ -160,6 +162,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0  # since start, for the server's metrics
+        self.num_steps = 0  # since start, for the dashboard
+        self.last_schedule = SchedulerOutput()  # what the last step ran, for the dashboard
 
     def add_request(
         self,
@@ -233,6 +237,8 @@ class LLMEngine:
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self.num_steps += 1
+        self.last_schedule = out
         try:
             return self._run(out, start)
         except BaseException:
@@ -267,7 +273,7 @@ class LLMEngine:
                 self.runner.release(seq)
                 finished.append(seq)
         if self.trace is not None:
-            self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
+            self.trace.record(start, time.perf_counter(), out, finished, self.scheduler)
         outputs = [
             self._output(seq)
             for seq in updated
