@@ -3,9 +3,12 @@
 Problem: continuous batching, chunked prefill and preemption are invisible in the final output;
 the only evidence is timing.
 Idea: record per step which sequences ran with how many prefill and decode tokens, who was
-admitted, preempted or finished, and how many KV slots were in use and reserved. `to_chrome()`
-writes Chrome trace-event JSON (open it at ui.perfetto.dev: one track per sequence, a counter
-track for the KV cache); `plot()` draws the same timeline as a PNG.
+admitted, preempted or finished, and how many KV slots were in use and reserved; and the state
+after the step: every unfinished request's progress (`REQUEST_FIELDS`) and the KV cache's map
+(`kv_map`: which slots each sequence's region holds). `to_chrome()` writes Chrome trace-event JSON
+(open it at ui.perfetto.dev: one track per sequence, a counter track for the KV cache; the state
+rides along as one object-snapshot event per step, which `mini-vllm replay` plays back);
+`plot()` draws the same timeline as a PNG.
 A token counts as prefill while the sequence has not yet caught up with its prompt (or, after a
 preemption, with everything it had generated); afterwards each step's single token is decode.
 """
@@ -15,6 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .block_manager import BlockManager
+from .scheduler import Scheduler
+
+# One request's state after a step, in this order (a list per request keeps the JSON small).
+# `kv_held`: the KV slots its region reserves.
+REQUEST_FIELDS = ("seq_id", "status", "num_prompt_tokens", "num_computed_tokens", "num_tokens",
+                  "max_tokens", "kv_held")  # fmt: skip
 
 
 @dataclass
@@ -29,13 +38,15 @@ class StepRecord:
     finished: list[int]
     kv_used: int
     kv_reserved: int
+    requests: list[list]  # REQUEST_FIELDS of every unfinished request, after the step
+    kv_map: dict  # kv_map(): where the KV cache's memory went, after the step
 
 
 @dataclass
 class StepTrace:
     steps: list[StepRecord] = field(default_factory=list)
 
-    def record(self, start: float, end: float, out, finished, block_manager: BlockManager) -> None:
+    def record(self, start: float, end: float, out, finished, scheduler: Scheduler) -> None:
         prefill, decode = {}, []
         for seq, num_new in out.scheduled:
             # `num_computed_tokens` was already advanced by the engine when this is called.
@@ -54,8 +65,10 @@ class StepTrace:
                 admitted=[s.seq_id for s in out.admitted],
                 preempted=[s.seq_id for s in out.preempted],
                 finished=[s.seq_id for s in finished],
-                kv_used=block_manager.num_used_slots,
-                kv_reserved=block_manager.num_reserved_slots,
+                kv_used=scheduler.block_manager.num_used_slots,
+                kv_reserved=scheduler.block_manager.num_reserved_slots,
+                requests=request_states(scheduler),
+                kv_map=kv_map(scheduler.block_manager),
             )
         )
 
@@ -74,11 +87,16 @@ class StepTrace:
                 for seq_id in getattr(r, kind):
                     events.append(
                         {"name": kind, "ph": "i", "s": "t", "pid": 1, "tid": seq_id,
-                         "ts": us(r.start)}
+                         "ts": us(r.start), "args": {"step": r.step}}
                     )  # fmt: skip
             events.append(
                 {"name": "kv slots", "ph": "C", "pid": 1, "ts": us(r.start),
                  "args": {"used": r.kv_used, "reserved": r.kv_reserved}}
+            )  # fmt: skip
+            state = {"step": r.step, "requests": r.requests, "kv": r.kv_map}
+            events.append(
+                {"name": "scheduler", "ph": "O", "id": "0x1", "pid": 1, "ts": us(r.end),
+                 "args": {"snapshot": state}}
             )  # fmt: skip
         Path(path).write_text(json.dumps({"traceEvents": events, "otherData": summary or {}}))
 
@@ -107,6 +125,32 @@ class StepTrace:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def request_states(scheduler: Scheduler) -> list[list]:
+    """REQUEST_FIELDS of every unfinished request: running (in admission order), then waiting."""
+    bm = scheduler.block_manager
+    return [
+        [seq.seq_id, seq.status.value, seq.num_prompt_tokens, seq.num_computed_tokens,
+         seq.num_tokens, seq.params.max_tokens, _kv_held(bm, seq.seq_id)]
+        for seq in (*scheduler.running, *scheduler.waiting)
+    ]  # fmt: skip
+
+
+def _kv_held(block_manager: BlockManager, seq_id: int) -> int:
+    region = block_manager.regions.get(seq_id)
+    return region.capacity if region is not None else 0
+
+
+def kv_map(block_manager: BlockManager) -> dict:
+    """The slot pool: each region as [seq_id, start, capacity, used], in slot order; the slots
+    between regions are free (fragmentation is what they look like)."""
+    regions = sorted(block_manager.regions.items(), key=lambda item: item[1].start)
+    return {
+        "unit": "slot",
+        "num_slots": block_manager.num_slots,
+        "regions": [[seq_id, r.start, r.capacity, r.used] for seq_id, r in regions],
+    }
 
 
 def _slice(name: str, seq_id: int, start_us: float, end_us: float, step: int) -> dict:

@@ -197,7 +197,7 @@ class LLMEngine:
                 self.runner.release(seq)
                 finished.append(seq)
         if self.trace is not None:
-            self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
+            self.trace.record(start, time.perf_counter(), out, finished, self.scheduler)
         outputs = [self._output(seq) for seq in updated]
         for seq in finished:
             del self.requests[seq.request_id]  # delivered: the engine forgets it

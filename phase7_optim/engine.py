@@ -270,7 +270,7 @@ class LLMEngine:
                 updated += more_updated
                 finished += more_finished
         if self.trace is not None:
-            self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
+            self.trace.record(start, time.perf_counter(), out, finished, self.scheduler)
         outputs = [
             self._output(seq)
             for seq in updated

@@ -9,7 +9,8 @@ events (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
 GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's
-models).
+models), GET /dashboard (dashboard.py: the engine, live in a browser; off with
+`enable_dashboard=False`).
 
 Nothing one client sends stalls the others: a body over `max_request_body_bytes` is a 413 before
 it is read whole; more than `max_choices_per_request` prompts x n is a 400 before any tokenizing;
@@ -45,6 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
+from .dashboard import add_dashboard, dashboard_credential
 from .metrics import CONTENT_TYPE
 from .protocol import (
     ChatCompletionRequest,
@@ -94,6 +96,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get a 413
     max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST  # prompts x n, at most
     enable_log_requests: bool = False  # a log line per request (uvicorn's access log too)
+    enable_dashboard: bool = True  # GET /dashboard
 
     def __post_init__(self):
         if self.max_model_len < 2:
@@ -154,6 +157,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE)
 
+    if config.enable_dashboard:
+        add_dashboard(app, llm, config.model_name)
     return app
 
 
@@ -199,7 +204,9 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            # a browser's EventSource sends no headers: the dashboard takes ?key= or a cookie
+            given = dict(scope["headers"]).get(b"authorization") or dashboard_credential(scope)
+            given = given or b""
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(
                     401, "Incorrect API key provided.", code="invalid_api_key"

@@ -16,7 +16,8 @@ Invariants:
   (the least loaded), so they are admitted together;
 - a stream closed before it finished aborts all its unfinished engine requests in one message;
 - a core that dies fails the requests it held (`EngineDeadError`) and `is_alive` turns False;
-  a failed step fails its requests (`EngineStepError`); no request ever waits forever.
+  a failed step fails its requests (`EngineStepError`); no request ever waits forever;
+- a core takes snapshots (for `on_engine_stats`) only while someone watches it (`watch_engine`).
 """
 
 import asyncio
@@ -34,6 +35,7 @@ from .engine_core import (
     EngineCoreSpec,
     EngineState,
     StepOutputs,
+    WatchEngine,
 )
 from .metrics import EngineMetrics, EngineStats, cache_config_info
 from .output_processor import (
@@ -109,6 +111,7 @@ class AsyncLLM:
             TOKENIZER_THREADS, thread_name_prefix="tokenizer"
         )
         self._stats_callbacks: list[StatsCallback] = []
+        self._watchers = [0] * len(client.cores)  # per core, see watch_engine
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
@@ -143,9 +146,23 @@ class AsyncLLM:
         return self.client.is_alive
 
     def on_engine_stats(self, callback: StatsCallback) -> None:
-        """`callback(core_index, snapshot)` for every snapshot a core sends (at a bounded rate:
-        `EngineCoreSpec.snapshot_interval_s`); it runs on the event loop and must be quick."""
+        """`callback(core_index, snapshot)` for every snapshot a core sends: only while it is
+        watched (`watch_engine`), at a bounded rate (`EngineCoreSpec.snapshot_interval_s`). It
+        runs on the event loop and must be quick."""
         self._stats_callbacks.append(callback)
+
+    def watch_engine(self, watching: bool, cores: Sequence[int] | None = None) -> None:
+        """One more watcher (True) or one fewer (False) of these cores' snapshots (default: all);
+        a core snapshots while it has a watcher. Call it on the event loop."""
+        self._start()
+        indexes = range(len(self.client.cores)) if cores is None else cores
+        if not watching and any(self._watchers[i] == 0 for i in indexes):
+            raise ValueError(f"engine cores {list(indexes)}: one has no watcher to remove")
+        for i in indexes:
+            before = self._watchers[i]
+            self._watchers[i] += 1 if watching else -1
+            if (before == 0) != (self._watchers[i] == 0):  # the first came, or the last left
+                self.client.send(self.client.cores[i], WatchEngine(watching))
 
     def _start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,5 +1,5 @@
-"""The `mini-vllm` command: `serve`, `engine-core`, `generate`, `chat`, `bench` (flags named as vLLM
-names them).
+"""The `mini-vllm` command: `serve`, `engine-core`, `generate`, `chat`, `bench`, `replay` (flags
+named as vLLM names them).
 
 - `mini-vllm serve [MODEL]` (or `--model MODEL`): the OpenAI-compatible server (no MODEL: the
   embedded SmolLM2): a front end process and `--data-parallel-size` engine core processes it
@@ -13,7 +13,9 @@ names them).
 - `mini-vllm chat`: an interactive conversation in the terminal, the reply streamed as it is
   generated (offline: no server involved); Ctrl-C cancels a reply, Ctrl-D or an empty line quits;
 - `mini-vllm bench throughput|latency|serve`: vLLM's benchmarks (bench.py), the first two on an
-  engine built here, the last against a running server.
+  engine built here, the last against a running server;
+- `mini-vllm replay TRACE.json`: the dashboard's page on a step trace that phases 4-8 record
+  (replay.py), with a step slider.
 
 Every `EngineConfig` field is a flag of its own (`max_num_seqs` -> `--max-num-seqs`), derived
 from the dataclass, so a knob added to the engine is a flag here without touching this file
@@ -166,6 +168,9 @@ def add_serve_parser(subparsers) -> None:
                    help="a log line per request, and uvicorn's access log")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access log even with --enable-log-requests (vLLM's flag)")  # fmt: skip
+    p.add_argument(
+        "--disable-dashboard", action="store_true", help="do not serve the /dashboard page"
+    )
     add_engine_args(p)
     p.set_defaults(handler=serve)
 
@@ -212,11 +217,16 @@ def serve(args: argparse.Namespace) -> None:
         }
         config = ServerConfig(
             name, resolve_max_model_len(llm.info, args.max_model_len), args.api_key,
-            enable_log_requests=args.enable_log_requests, **limits,
+            enable_log_requests=args.enable_log_requests,
+            enable_dashboard=not args.disable_dashboard, **limits,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)
-        log.info("serving %s on http://%s:%d", name, args.host, args.port)
+        url = f"http://{args.host}:{args.port}"
+        log.info("serving %s on %s", name, url)
+        if config.enable_dashboard:
+            key = "?key=KEY" if args.api_key else ""
+            log.info("dashboard: %s/dashboard%s", url, key)
         # uvicorn re-raises the SIGTERM it handled once it has shut down; exiting through Python
         # (not by the signal's default action) runs the cleanup below
         signal.signal(signal.SIGTERM, exit_on_sigterm)
@@ -464,11 +474,33 @@ def bench(args: argparse.Namespace) -> None:
             llm.shutdown()
 
 
+# -- replay --------------------------------------------------------------------------------
+
+
+def add_replay_parser(subparsers) -> None:
+    p = subparsers.add_parser("replay", help="the dashboard on a recorded step trace")
+    p.add_argument("trace", help="a trace JSON written by StepTrace.to_chrome() (phases 4-8)")
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.set_defaults(handler=replay)
+
+
+def replay(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .replay import build_replay_app
+
+    app = build_replay_app(args.trace)  # a bad file fails here, before the server starts
+    print(f"replaying {args.trace} at http://{args.host}:{args.port}/dashboard", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
 # -- entry point ---------------------------------------------------------------------------
 
 # Each adds its subparser and sets `handler`.
 SUBCOMMANDS = (
     add_serve_parser, add_engine_core_parser, add_generate_parser, add_chat_parser, add_bench,
+    add_replay_parser,
 )  # fmt: skip
 
 

@@ -53,7 +53,9 @@ after its last real one, so its tokens are those of the engine without overlap. 
 nothing in flight between steps.
 
 Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
-for, and `num_preemptions` counts preemptions for the server's metrics. A server streams, so its
+for, `num_preemptions` counts preemptions for the server's metrics, and `num_steps` and
+`last_schedule` (the step's `SchedulerOutput`) let the dashboard show what the last step ran.
+A server streams, so its
 requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). The server calls
 `abort_request` when a client goes away (the request's blocks are freed at once, or once the step
 computing it on the device is done). The server's engine core process (engine_core.py) asks for
@@ -193,6 +195,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0  # since start, for the server's metrics
+        self.num_steps = 0  # since start, for the dashboard
+        self.last_schedule = SchedulerOutput()  # what the last step ran, for the dashboard
 
     def add_request(
         self,
@@ -269,6 +273,8 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
+        self.num_steps += 1
+        self.last_schedule = out
         try:
             return self._run(out, previous, start)
         except BaseException:
@@ -300,7 +306,7 @@ class LLMEngine:
                 updated += more_updated
                 finished += more_finished
         if self.trace is not None:
-            self.trace.record(start, time.perf_counter(), out, finished, self.block_manager)
+            self.trace.record(start, time.perf_counter(), out, finished, self.scheduler)
         outputs = [
             self._output(seq)
             for seq in updated

@@ -9,11 +9,12 @@ Idea: the scheduler, the block manager and the model runner live in a process of
 only one that touches the GPU, and speak token ids only. The front end (async_engine.py) owns
 everything that is text. Over one ZeroMQ socket, msgpack-encoded by msgspec:
 - in, batched: `AddRequests` (every prompt of an HTTP request in one message), `AbortRequests`
-  (a client left, or the front end found a stop string), `GetState` (a small request/reply), and
-  `Hello`, answered with `CoreInfo` (what the front end must know to validate prompts);
+  (a client left, or the front end found a stop string), `GetState` (a small request/reply),
+  `WatchEngine` (a dashboard page opened or closed), and `Hello`, answered with `CoreInfo` (what
+  the front end must know to validate prompts);
 - out: ONE `StepOutputs` per engine step, with every request's new token ids (logprobs when
-  asked), finish reasons, the core's timestamps, `EngineStats` for /metrics and, at a bounded
-  rate, a `snapshot` dict for dashboards; `Heartbeat` while idle.
+  asked), finish reasons, the core's timestamps, `EngineStats` for /metrics and, while watched and
+  at a bounded rate, a `snapshot` dict for dashboards (snapshot.py); `Heartbeat` while idle.
 
 Invariants:
 - the core never detokenizes: its requests use `RequestOutputKind.DELTA_TOKEN_IDS`; stop tokens,
@@ -21,12 +22,18 @@ Invariants:
 - inputs are drained, all of them, between steps: a step never runs with an abort still unread,
   and a `GetState` reply reflects every message sent before it;
 - idle, the core blocks on its socket (a heartbeat every `HEARTBEAT_INTERVAL_S`, no busy poll);
+- no watcher, no snapshot: snapshots are taken only between `WatchEngine(True)` and
+  `WatchEngine(False)` (or the next front end's `Hello`), each at least `snapshot_interval_s`
+  after the one before and late enough that they take at most `MAX_SNAPSHOT_DUTY` of the
+  core's time; a watcher never stays on a state the engine has left (a core that goes idle
+  sends the snapshot it owes when it is due);
 - a failing step fails the requests in flight (finish reason "error") and the loop goes on;
 - a core started by a front end exits when that front end's process is gone; a core started on
   its own serves whichever front end said `Hello` last, and drops the requests of the one before.
 """
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -39,10 +46,12 @@ from .config import EngineConfig
 from .engine import LLM, LLMEngine, RequestOutput, RequestOutputKind
 from .metrics import EngineStats
 from .sampling import SamplingParams, TokenLogprobs
+from .snapshot import engine_snapshot
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0  # an idle core says it is alive this often
-SNAPSHOT_INTERVAL_S = 0.5  # the dashboard's snapshot is taken at most this often
+SNAPSHOT_INTERVAL_S = 0.1  # a watched core snapshots at most ten times a second...
+MAX_SNAPSHOT_DUTY = 0.0025  # ...and spends at most 0.25% of its time on snapshots
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # `mini-vllm`'s, in every process
 
 
@@ -75,11 +84,18 @@ class GetState(Message):
     call_id: int
 
 
+class WatchEngine(Message):
+    """Whether someone watches this core's snapshots (the dashboard's first page opened, or its
+    last one closed); a core starts unwatched."""
+
+    watching: bool
+
+
 class Shutdown(Message):
     pass
 
 
-CoreInput = Hello | AddRequests | AbortRequests | GetState | Shutdown
+CoreInput = Hello | AddRequests | AbortRequests | GetState | WatchEngine | Shutdown
 
 
 # -- messages (core -> front end) -----------------------------------------------------------------
@@ -116,7 +132,8 @@ class StepOutputs(Message):
     outputs: list[EngineCoreOutput]
     timestamp: float  # the core's clock when the step ended
     stats: EngineStats
-    snapshot: dict | None = None  # `EngineCoreSpec.snapshot`'s dict, at most every interval
+    snapshot: dict | None = None  # `EngineCoreSpec.snapshot`'s dict, while watched (at a bounded
+    # rate); a message without outputs may carry one (a core that went idle, a watcher who came)
 
 
 class EngineState(Message):
@@ -144,17 +161,6 @@ def build_llm(spec: "EngineCoreSpec") -> LLM:
     return LLM(spec.model, dtype=spec.dtype, device=spec.device, **kwargs)
 
 
-def default_snapshot(engine: LLMEngine) -> dict:
-    """A small picture of the engine for dashboards: plain ints, so any encoder carries it."""
-    scheduler, bm = engine.scheduler, engine.block_manager
-    return {
-        "num_running": len(scheduler.running),
-        "num_waiting": len(scheduler.waiting) + len(scheduler.swapped),
-        "num_free_blocks": bm.num_free_blocks,
-        "num_blocks": len(bm.blocks),
-    }
-
-
 @dataclass(frozen=True)
 class EngineCoreSpec:
     """How to build one engine core. Picklable: it travels to the spawned process, so the
@@ -165,10 +171,11 @@ class EngineCoreSpec:
     device: str | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
     make_llm: Callable[["EngineCoreSpec"], LLM] = build_llm
-    # engine -> dict for the front end's stats callback (the core adds "step_num_tokens": the
-    # tokens each step produced since the last snapshot); None: no snapshots
-    snapshot: Callable[[LLMEngine], dict] | None = default_snapshot
-    snapshot_interval_s: float = SNAPSHOT_INTERVAL_S
+    # engine -> plain dict for the front end's stats callback, taken only while watched (the
+    # core adds "cost_s", what it took, and "step_num_tokens", the tokens each step produced
+    # since the last one); None: no snapshots even when watched
+    snapshot: Callable[[LLMEngine], dict] | None = engine_snapshot
+    snapshot_interval_s: float = SNAPSHOT_INTERVAL_S  # the least time between two snapshots
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of this core (data parallelism)
     num_threads: int | None = None  # torch's CPU threads; None: torch's default
 
@@ -204,8 +211,10 @@ class EngineCore:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.timing: dict[str, list[float | None]] = {}  # id -> [arrival, scheduled], until output
-        self.step_num_tokens: list[int] = []  # since the last snapshot
-        self.last_snapshot = 0.0
+        self.watched = False  # a front end asked for snapshots (WatchEngine)
+        self.snapshot_owed = False  # watched, and the engine changed since the last snapshot
+        self.next_snapshot_at = 0.0  # time.monotonic(): no snapshot before it
+        self.step_num_tokens: list[int] = []  # since the last snapshot, while watched
 
     def run(self, parent_pid: int | None) -> None:
         while True:
@@ -213,8 +222,8 @@ class EngineCore:
                 logger.info("the front end is gone; the engine core exits")
                 return
             if not self.engine.has_unfinished_requests():
-                if not self.socket.poll(HEARTBEAT_INTERVAL_S * 1000):
-                    self._send(Heartbeat())
+                if not self.socket.poll(math.ceil(self._idle_wait_s() * 1000)):  # ms
+                    self._send_idle()
                     continue
             if not self._drain_inputs():
                 return
@@ -245,13 +254,18 @@ class EngineCore:
     def _handle(self, message: CoreInput) -> None:
         engine = self.engine
         if isinstance(message, Hello):
+            self._watch(False)  # a new front end: nobody watches yet
             self._send(core_info(engine))
         elif isinstance(message, AddRequests):
             self._add(message.requests)
+            self.snapshot_owed = self.watched
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 engine.abort_request(request_id)
                 self.timing.pop(request_id, None)
+            self.snapshot_owed = self.watched  # an idle core still shows the freed blocks
+        elif isinstance(message, WatchEngine):
+            self._watch(message.watching)
         else:  # GetState
             bm, scheduler = engine.block_manager, engine.scheduler
             self._send(
@@ -294,7 +308,9 @@ class EngineCore:
         else:
             self._note_scheduled(start)
             outputs = [self._output(result, start) for result in results]
-        self.step_num_tokens.append(sum(len(o.new_token_ids) for o in outputs))
+        if self.watched:
+            self.step_num_tokens.append(sum(len(o.new_token_ids) for o in outputs))
+            self.snapshot_owed = True
         now = time.monotonic()
         self._send(StepOutputs(outputs, now, engine_stats(self.engine), self._snapshot(now)))
 
@@ -316,14 +332,40 @@ class EngineCore:
             output.scheduled_time = timing[1] if timing[1] is not None else step_start
         return output
 
-    def _snapshot(self, now: float) -> dict | None:
-        snapshot = self.spec.snapshot
-        if snapshot is None or now - self.last_snapshot < self.spec.snapshot_interval_s:
-            return None
-        self.last_snapshot = now
-        picture = {**snapshot(self.engine), "step_num_tokens": self.step_num_tokens}
+    def _watch(self, watching: bool) -> None:
+        self.watched = watching and self.spec.snapshot is not None
+        self.snapshot_owed = self.watched  # a new watcher gets the engine's state, idle or not
         self.step_num_tokens = []
+
+    def _snapshot(self, now: float) -> dict | None:
+        """The snapshot owed to the watcher if it is due, else None; spaced so that snapshots
+        take at most `MAX_SNAPSHOT_DUTY` of the core's time."""
+        if not self.snapshot_owed or now < self.next_snapshot_at:
+            return None
+        start = time.perf_counter()
+        picture = self.spec.snapshot(self.engine)
+        cost_s = time.perf_counter() - start
+        picture = {**picture, "cost_s": cost_s, "step_num_tokens": self.step_num_tokens}
+        self.step_num_tokens = []
+        self.snapshot_owed = False
+        self.next_snapshot_at = now + max(self.spec.snapshot_interval_s, cost_s / MAX_SNAPSHOT_DUTY)
         return picture
+
+    def _idle_wait_s(self) -> float:
+        """How long an idle core blocks on its socket: until its next heartbeat, or until the
+        snapshot it owes a watcher is due (the page then shows the engine as it went idle)."""
+        if self.snapshot_owed:
+            return max(0.0, min(HEARTBEAT_INTERVAL_S, self.next_snapshot_at - time.monotonic()))
+        return HEARTBEAT_INTERVAL_S
+
+    def _send_idle(self) -> None:
+        """Nothing arrived while idle: the snapshot owed if it is due, else a heartbeat."""
+        now = time.monotonic()
+        snapshot = self._snapshot(now)
+        if snapshot is None:
+            self._send(Heartbeat())
+        else:
+            self._send(StepOutputs([], now, engine_stats(self.engine), snapshot))
 
     def _send(self, message: CoreOutput) -> None:
         if self.peer is not None:  # nobody to tell before the front end's first message

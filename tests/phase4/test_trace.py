@@ -60,6 +60,20 @@ def test_preemption_and_readmission_are_recorded(preempting):
     assert sorted(sum((r.finished for r in preempting.steps), [])) == [0, 1, 2]
 
 
+def test_each_step_records_the_requests_and_the_region_map(chunked, preempting):
+    for trace in (chunked, preempting):
+        for r in trace.steps:
+            regions = r.kv_map["regions"]
+            running = [q for q in r.requests if q[1] == "running"]
+            assert sorted(seq_id for seq_id, *_ in regions) == sorted(q[0] for q in running)
+            assert sum(capacity for _, _, capacity, _ in regions) == r.kv_reserved
+            assert sum(used for *_, used in regions) == r.kv_used
+            assert all(q[-1] == 0 for q in r.requests if q[1] == "waiting")
+        assert trace.steps[-1].requests == [] and trace.steps[-1].kv_map["regions"] == []
+    preempted = next(r for r in preempting.steps if r.preempted)
+    assert preempted.preempted[0] in [q[0] for q in preempted.requests if q[1] == "waiting"]
+
+
 def test_chrome_json_and_png(chunked, preempting, tmp_path):
     for name, trace in [("chunked", chunked), ("preempting", preempting)]:
         trace.to_chrome(tmp_path / f"{name}.json")
@@ -70,6 +84,8 @@ def test_chrome_json_and_png(chunked, preempting, tmp_path):
         counters = [e for e in events if e["ph"] == "C" and e["name"] == "kv slots"]
         assert len(counters) == len(trace.steps)
         assert all(set(e["args"]) == {"used", "reserved"} for e in counters)
+        states = [e["args"]["snapshot"] for e in events if e["ph"] == "O"]
+        assert [s["kv"] for s in states] == [r.kv_map for r in trace.steps]
         trace.plot(tmp_path / f"{name}.png", title=name)
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     instants = [e["name"] for e in events if e["ph"] == "i"]

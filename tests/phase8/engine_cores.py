@@ -5,6 +5,7 @@ carry the instruction: a prompt that starts with `SLOW_MARK` makes every step it
 `SLOW_STEP_S` longer (a long request cannot finish before the test aborts it); a prompt that
 starts with `FAULT_MARK` makes the first step it is part of raise. Both marks are special tokens
 that no text prompt of these tests encodes to. Everything else runs the real engine.
+`make_slow_test_llm` slows every step by `EVERY_STEP_S` (the dashboard's test watches a run).
 """
 
 import time
@@ -15,6 +16,7 @@ from phase8_serving.engine_core import EngineCoreSpec, build_llm
 SLOW_MARK = [258, 256]  # <|endoftext|><|im_start|>
 FAULT_MARK = [258, 257]  # <|endoftext|><|im_end|>
 SLOW_STEP_S = 0.03
+EVERY_STEP_S = 0.015
 
 
 def make_test_llm(spec: EngineCoreSpec) -> LLM:
@@ -31,4 +33,19 @@ def make_test_llm(spec: EngineCoreSpec) -> LLM:
         return launch(scheduled, previous)
 
     runner.launch = launch_with_marks
+    return llm
+
+
+def make_slow_test_llm(spec: EngineCoreSpec) -> LLM:
+    """`make_test_llm`, each step `EVERY_STEP_S` longer: a run lasts long enough for a page that
+    is refreshed a few times a second to see it mid-flight."""
+    llm = make_test_llm(spec)
+    runner = llm.engine.runner
+    run = runner.run
+
+    def run_slowly(scheduled):
+        time.sleep(EVERY_STEP_S)
+        return run(scheduled)
+
+    runner.run = run_slowly
     return llm
