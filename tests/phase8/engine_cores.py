@@ -41,11 +41,11 @@ def make_slow_test_llm(spec: EngineCoreSpec) -> LLM:
     is refreshed a few times a second to see it mid-flight."""
     llm = make_test_llm(spec)
     runner = llm.engine.runner
-    run = runner.run
+    launch = runner.launch
 
-    def run_slowly(scheduled):
+    def launch_slowly(scheduled, previous=None):
         time.sleep(EVERY_STEP_S)
-        return run(scheduled)
+        return launch(scheduled, previous)
 
-    runner.run = run_slowly
+    runner.launch = launch_slowly
     return llm
