@@ -16,6 +16,7 @@ Run: python -m benchmarks.dashboard_screenshots [--out DIR] [--step N] [--model 
      [--only replay|live]
 """
 
+import argparse
 import random
 import socket
 import threading
@@ -28,7 +29,7 @@ import uvicorn
 
 import phase4_scheduler as p4
 import phase5_paged as p5
-from benchmarks.harness import SCRATCH_DIR, seeded_workload
+from benchmarks.harness import benchmark_parser, parse_args, seeded_workload
 from benchmarks.phase5_paged import (
     BLOCK_SIZE,
     DECLARED_MAX_TOKENS,
@@ -140,17 +141,17 @@ def live_screenshot(browser: Chromium, model: str | None, num_requests: int, out
         async_llm.shutdown()
 
 
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=SCRATCH_DIR, help="folder for the results")
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--step", type=int, default=60, help="the replayed step to show")
     parser.add_argument("--model", default=None, help="the live server's model")
     parser.add_argument("--requests", type=int, default=12, help="live requests")
     parser.add_argument("--only", choices=["replay", "live"], default=None)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    return parser
+
+
+def main() -> None:
+    args = parse_args(build_parser())
     executable = find_chromium()
     if executable is None:
         raise SystemExit("no chromium: apt-get install chromium (or .ci/setup --dev as root)")
