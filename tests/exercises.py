@@ -205,6 +205,7 @@ EXERCISES: dict[str, Exercise] = {
             "tests/phase7/test_kernels.py::test_paged_decode_split_k_matches_reference",
             "tests/phase7/test_kernels.py::test_paged_decode_padded_row_reads_nothing",
         ),
+        needs=("7.1",),  # both attention kernels run the online-softmax tile loop
     ),
     "8.1": Exercise(
         "While the request runs, cut the text's tail that a stop string could start with "
