@@ -5,11 +5,12 @@ strings), and the collector that merges what a slow client has not read yet."""
 import asyncio
 import random
 
+import msgspec
 import pytest
 
 from phase8_serving.engine import LLM, RequestOutputKind
 from phase8_serving.engine_core import EngineCoreOutput, StepOutputs
-from phase8_serving.metrics import EngineMetrics, EngineStats
+from phase8_serving.metrics import EngineMetrics, EngineStats, cache_config_info
 from phase8_serving.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
@@ -44,7 +45,11 @@ def core_outputs(llm, prompt, params) -> list[EngineCoreOutput]:
 
 def process_all(llm, prompt, params, outputs) -> tuple[list[OutputDelta], list[str]]:
     """Feeds the outputs to an output processor, one step each; returns the deltas and aborts."""
-    processor = OutputProcessor(llm.get_tokenizer(), EngineMetrics("m", EngineStats))
+    metrics = EngineMetrics("m", EngineStats, 128, cache_config_info(16, 8, 0, True))
+    processor = OutputProcessor(llm.get_tokenizer(), metrics)
+    # a core sends its clock's arrival and first-scheduled times with a request's first output
+    outputs = [msgspec.structs.replace(outputs[0], arrival_time=0.0, scheduled_time=0.0),
+               *outputs[1:]]  # fmt: skip
     collector = RequestOutputCollector()
     request_id = outputs[0].request_id
     detokenizer = make_detokenizer(llm.get_tokenizer(), prompt, params.skip_special_tokens)
