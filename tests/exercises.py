@@ -201,6 +201,7 @@ EXERCISES: dict[str, Exercise] = {
             "tests/phase8/test_output_processor.py::test_text_equals_the_offline_engine",
             "tests/phase8/test_output_processor.py::test_streamed_text_is_never_taken_back",
             "tests/phase8/test_output_processor.py::test_a_stop_token_has_no_text",
+            "tests/phase8/test_output_processor.py::test_a_stop_string_counts_only_after_min_tokens",
         ),
     ),
 }
