@@ -8,8 +8,9 @@
   `--max-concurrency` in flight; several rates in one run give a latency-vs-load curve.
 
 The serving metrics use vLLM's definitions, so numbers compare with `vllm bench serve`:
-TTFT is the time from sending a request to the first chunk that carries text; ITL the gaps
-between later text chunks; TPOT = (E2E - TTFT) / (output tokens - 1), per request with at least
+TTFT is the time from sending a request to the first chunk with a choice in it (its text may be
+empty: a token can complete no character, or be a special token); ITL the gaps between later such
+chunks; TPOT = (E2E - TTFT) / (output tokens - 1), per request with at least
 two output tokens; E2E the whole request; goodput the requests per second that meet every SLO
 given with `--goodput`. Output tokens are the server's own count (`usage`, requested through
 `stream_options.include_usage`).
@@ -157,7 +158,7 @@ class RequestResult:
     ok: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0  # seconds to the first chunk with text
+    ttft: float = 0.0  # seconds to the first chunk with a choice
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
@@ -176,10 +177,14 @@ async def _one_request(client, url: str, body: dict, headers: dict) -> RequestRe
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: ") :])
+                if error := chunk.get("error"):  # the server failed the request mid-stream
+                    message = error.get("message") if isinstance(error, dict) else error
+                    result.error = f"server error: {message}"
+                    return result
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if chunk.get("choices"):  # vLLM's rule: text or not, a token came
                     now = time.perf_counter()
                     if last is None:
                         result.ttft = now - start
@@ -192,7 +197,7 @@ async def _one_request(client, url: str, body: dict, headers: dict) -> RequestRe
     result.e2e = time.perf_counter() - start
     result.ok = last is not None
     if not result.ok:
-        result.error = "no text in the stream"
+        result.error = "no choice in the stream"
     return result
 
 

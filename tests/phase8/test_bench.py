@@ -1,15 +1,15 @@
 """`mini-vllm bench`: the serving client against the live test server, and the offline
 throughput and latency benchmarks on the tiny checkpoint, each through the command line."""
 
+import asyncio
 import json
 
-from phase8_serving.bench import offered_load, random_dataset, workload_w
+import httpx
+
+from phase8_serving.bench import _one_request, offered_load, random_dataset, workload_w
 from phase8_serving.cli import main
 
-# ASCII byte tokens of the tiny checkpoint (vocabulary 259): a prompt ends on a whole character.
-# (A prompt ending mid-character can swallow the first output bytes into that character, and a
-# 4-token reply may then show no text of its own: the bench counts that request as failed.)
-TOKEN_ID_LIMIT = "128"
+TOKEN_ID_LIMIT = "256"  # the tiny checkpoint's byte tokens (its vocabulary is 259)
 
 
 def test_bench_serve_measures_every_request(live_server, tmp_path):
@@ -28,6 +28,32 @@ def test_bench_serve_measures_every_request(live_server, tmp_path):
         assert 0 < ttft["p50"] <= ttft["p99"] and ttft["mean"] <= e2el["mean"]
     assert out.with_suffix(".png").stat().st_size > 0  # latency against load, one point a rate
     live_server.wait_until_idle(timeout=5)
+
+
+def sse(*chunks: dict) -> str:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def measure(body: str):
+    async def main():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await _one_request(client, "http://server/v1/completions", {}, {})
+
+    return asyncio.run(main())
+
+
+def test_bench_serve_counts_a_token_without_text_and_fails_an_error_chunk():
+    """vLLM's rule: any chunk with a choice is a token, even with no text (a byte that completes
+    no character, a special token), so a one-token reply like that is measured, not failed; an
+    error chunk mid-stream is a failure that says why."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    silent = measure(sse({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, usage))
+    assert silent.ok and silent.ttft > 0 and silent.output_tokens == 1
+    first = {"choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+    failed = measure(sse(first, {"error": {"message": "the engine failed: boom"}}))
+    assert not failed.ok and failed.error == "server error: the engine failed: boom"
+    assert measure(sse(usage)).error == "no choice in the stream"
 
 
 def test_bench_serve_counts_failures_instead_of_crashing(live_server, tmp_path):

@@ -50,7 +50,7 @@ def process_all(llm, prompt, params, outputs) -> tuple[list[OutputDelta], list[s
     request_id = outputs[0].request_id
     detokenizer = make_detokenizer(llm.get_tokenizer(), prompt, params.skip_special_tokens)
     processor.add(RequestState(request_id, 0, collector, detokenizer, params.stop, 0,
-                               len(prompt), params.max_tokens))  # fmt: skip
+                               len(prompt), params.max_tokens, params.min_tokens))  # fmt: skip
     deltas, aborts = [], []
     outputs[0].arrival_time = outputs[0].scheduled_time = 0.0  # the core's, on a first output
     for i, output in enumerate(outputs):
@@ -113,6 +113,19 @@ def test_a_stop_token_has_no_text(llm):
     deltas, aborts = process_all(llm, PROMPT, params, outputs)
     assert [d.text for d in deltas] == ["H", ""] and deltas[-1].finish_reason == "stop"
     assert [d.token_ids for d in deltas] == [[h], [eos]] and not aborts
+
+
+def test_a_stop_string_counts_only_after_min_tokens(llm):
+    """vLLM's rule: a stop string ends the request only if it ends in the text of a token past
+    min_tokens (the core cannot know: it sees no text)."""
+    (z,) = llm.get_tokenizer().encode("Z")
+    outputs = [EngineCoreOutput("r", [z]) for _ in range(5)]
+    params = SamplingParams(max_tokens=5, stop=["Z"], min_tokens=3)
+    deltas, aborts = process_all(llm, PROMPT, params, outputs)
+    assert "".join(d.text for d in deltas) == "ZZZ" and len(deltas) == 4
+    assert deltas[-1].finish_reason == "stop" and aborts == ["r"]
+    deltas, _ = process_all(llm, PROMPT, SamplingParams(max_tokens=5, stop=["Z"]), outputs)
+    assert [d.text for d in deltas] == [""] and deltas[-1].finish_reason == "stop"
 
 
 def test_decode_stream_agrees_with_the_two_offset_detokenizer(llm):
