@@ -10,6 +10,8 @@ the request runs, it holds back the longest tail of the text that is the beginni
 string; once the request has finished, the text is final and everything left goes out. (The
 engine's own outputs already hold back len(stop) - 1 characters of a running request; the tracker
 does not rely on that, so it is correct for any text that grows and is cut only at a stop.)
+The offline `chat` command streams through it; the server applies the same rule to the engine
+core's token ids in its front end (output_processor.py, `RequestState.update`).
 
 Invariant: the concatenated text deltas equal the final text, and every delta is a piece of it
 (nothing shown is ever withdrawn); token deltas, likewise, concatenate to the final token ids.
