@@ -31,12 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Hopper on): Triton >= 3.3
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_PDL = True
-except ImportError:
-    HAS_PDL = False
+from .pdl import launch_dependents, supports_pdl, wait_for_previous
 
 BLOCK_M = 16  # x's rows, padded, for tl.dot: its smallest M on a GPU (config.MAX_GEMV_BATCH)
 MIN_BLOCK_N = 8  # the multiply-and-sum path's narrowest tile (tl.dot's is 16)
@@ -79,13 +74,34 @@ def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvCon
     return gemv_config_for(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+# The H200 sweep (benchmarks/phase7_gemv.py, 2026-12-02), Qwen3-0.6B's layers, bf16: per (N, K),
+# the best tile config at 1 row, at 2 rows (multiply-and-sum on the CUDA cores) and at 3-16 rows
+# (tl.dot), all launched with PDL; µs per call at 1 row (the K loop before it; cuBLAS): qkv 3.10
+# (5.76; 5.45), o_proj 2.08 (5.28; 12.69), gate_up 4.37 (6.64; 6.45), down 4.16 (5.92; 7.55).
+def _tile(block_n, block_k, split_k, num_warps, dot=False) -> GemvConfig:
+    return GemvConfig(block_n, block_k, split_k, num_warps, 1, tile=True, dot=dot, pdl=True)
+
+
+TUNED_H200 = {  # (N, K): (1 row, 2 rows, 3-16 rows)
+    (4096, 1024): (_tile(16, 1024, 1, 4), _tile(8, 1024, 1, 4), _tile(16, 1024, 1, 4, True)),
+    (1024, 2048): (_tile(8, 2048, 1, 8), _tile(8, 2048, 1, 4), _tile(64, 256, 8, 4, True)),
+    (6144, 1024): (_tile(8, 1024, 1, 4), _tile(16, 1024, 1, 4), _tile(32, 512, 2, 4, True)),
+    (1024, 3072): (_tile(8, 512, 6, 4), _tile(64, 128, 24, 4), _tile(64, 512, 6, 8, True)),
+}
+H200_SMS = 132
+
+
 def gemv_config_for(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """The H200 sweep at batch 1 (benchmarks/phase7_kernels.py, `run_gemv`, 2026-12-01): a tile
-    per program narrow enough that the output tiles alone cover the SMs (BLOCK_N 16 or 32, 64
-    for an LM head's vocabulary), and a K split only for layers too narrow for that (~2 per SM).
-    Qwen3-0.6B at batch 1, µs (cuBLAS): qkv 5.8 (5.5), o_proj 5.4 (12.7), gate_up 6.7 (6.5),
-    down 6.0 (7.6), lm_head 78.6 (82.8, 93% of copy bandwidth). A layer of a few MB costs ~5 µs
-    whoever computes it: a kernel's start and its first loads' latency, not bytes, bound it."""
+    """The sweep's best for a shape it measured (on the H200's 132 SMs); otherwise the K loop
+    with a tile per program narrow enough that the output tiles alone cover the SMs (BLOCK_N 16
+    or 32, 64 for an LM head's vocabulary), and a K split only for layers too narrow for that
+    (~2 per SM). What the sweep found: a layer of a few MB is bound by a kernel's start and its
+    first loads' latency, not by bytes; loading a program's whole slice of W at once, before
+    waiting for the previous kernel (PDL), hides most of it, and a K split costs ~1.5 µs (the
+    partial sums' round trip), so layers with few outputs take 8-row tiles instead."""
+    tuned = TUNED_H200.get((n, k)) if num_sms == H200_SMS else None
+    if tuned is not None:
+        return tuned[min(m, 3) - 1]
     if n >= WIDE_N:
         block_n, block_k = 64, 128
     elif triton.cdiv(n, 32) < num_sms <= triton.cdiv(n, 16):
@@ -106,13 +122,16 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs: int) ->
     return max(s for s in range(1, chunks + 1) if chunks % s == 0 and s <= wanted)
 
 
+def silu_mul_pays(config: GemvConfig, device: torch.device) -> bool:
+    """Whether to fold SiLU-and-mul into x's load under `config`: on the H200 it saves the
+    separate kernel's ~3 µs at 1-2 rows (multiply-and-sum), while with tl.dot (3+ rows) the
+    fused load measured 2-4x slower than the two kernels. On CPU (the interpreter): always."""
+    return device.type != "cuda" or not config.dot
+
+
 def counters_for(n: int, device: torch.device) -> torch.Tensor:
     """A zeroed split-K counter buffer large enough for any config of an n-feature layer."""
     return torch.zeros(triton.cdiv(n, MIN_BLOCK_N), dtype=torch.int32, device=device)
-
-
-def supports_pdl(device: torch.device) -> bool:
-    return HAS_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
@@ -165,21 +184,20 @@ def _gemv_tile_kernel(
     PDL: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
-    """One program, one [BLOCK_N, BLOCK_K] slice of W (BLOCK_K * SPLIT_K == K), loaded at once."""
-    if PDL:  # the next kernel may start now: it waits for this one before it reads anything
-        gdc_launch_dependents()
+    """One program, one [BLOCK_N, BLOCK_K] slice of W (BLOCK_K * SPLIT_K >= K), loaded at once."""
+    launch_dependents(PDL)  # the next kernel may start: it waits for this one before reading
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    w = tl.load(w_ptrs, mask=(offs_n < N)[:, None], other=0.0)  # the weight: no dependency
-    if PDL:  # x is the previous kernel's output: wait for it (and for its reads of y's memory)
-        gdc_wait()
+    k_mask = offs_k < K  # all true unless K is no power of two (one split, its tail masked)
+    w = tl.load(w_ptrs, mask=(offs_n < N)[:, None] & k_mask[None, :], other=0.0)  # no dependency
+    wait_for_previous(PDL)  # x: the previous kernel's output (and y's memory: its to read)
     if DOT:
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        x = _load_x(x_ptrs, (offs_m < M)[:, None], K, SILU_MUL).to(w.dtype)
+        x = _load_x(x_ptrs, (offs_m < M)[:, None] & k_mask[None, :], K, SILU_MUL).to(w.dtype)
         if IEEE:
             acc = tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
@@ -189,7 +207,7 @@ def _gemv_tile_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for m in tl.static_range(BLOCK_M):
             row = tl.minimum(m, M - 1)  # a padded row recomputes the last one, never stored
-            xm = _load_x(x_ptr + row * stride_xm + offs_k, offs_k < K, K, SILU_MUL)
+            xm = _load_x(x_ptr + row * stride_xm + offs_k, k_mask, K, SILU_MUL)
             ym = tl.sum(wf * xm[None, :], axis=1)
             acc = tl.where(offs_m[:, None] == m, ym[None, :], acc)
     _store_or_reduce(acc, y_ptr, partial_ptr, counters_ptr, offs_m, offs_n, M, N, stride_ym,
@@ -211,8 +229,7 @@ def _gemv_kernel(
     IEEE: tl.constexpr,
 ):  # fmt: skip
     """A K loop over [BLOCK_N, BLOCK_K] tiles of W, software-pipelined (num_stages)."""
-    if PDL:
-        gdc_launch_dependents()
+    launch_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -224,8 +241,7 @@ def _gemv_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PDL:
-        gdc_wait()
+    wait_for_previous(PDL)
     for start in range(k_lo, k_hi, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -274,7 +290,9 @@ def gemv(
                   SPLIT_K=split_k, SILU_MUL=silu_mul, PDL=use_pdl, IEEE=x.dtype == torch.float32,
                   num_warps=config.num_warps, num_stages=config.num_stages, **launch)  # fmt: skip
     if config.tile:
-        assert config.block_k * split_k == k, f"a tile config covers K exactly: {config}, K={k}"
+        assert config.block_k * split_k == k or (split_k == 1 and config.block_k >= k), (
+            f"a tile config covers K exactly, or in one masked slice: {config}, K={k}"
+        )
         _gemv_tile_kernel[(tiles, split_k)](*args, DOT=config.dot, **common)
     else:
         even_k = k % (split_k * config.block_k) == 0
