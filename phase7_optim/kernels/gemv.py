@@ -7,22 +7,34 @@ on them at batch 1 (0.8-2.0 TB/s, benchmarks/results/roofline_cuda.json): a few 
 is too little work for a kernel tuned for large matrices, and 112 such layers are ~0.7 ms of a
 token. The smaller ones (1,024 output features) are also too few rows to keep every SM busy.
 
-Idea: stream W once with every SM pulling. One program owns BLOCK_N output features and one
-K-range of the input features: it loads the [BLOCK_M, BLOCK_K] slice of x (tiny, from L2) and the
-[BLOCK_N, BLOCK_K] tiles of W (software-pipelined), accumulating with tl.dot in fp32 (the rows
-are padded to BLOCK_M = 16, the smallest tl.dot tile: the tensor cores are idle anyway). A layer
-with few output tiles splits K into SPLIT_K ranges so that every SM has work (split-K); each
+Idea: stream W once with every SM pulling, and start pulling early. Two kernels:
+- the tile kernel (`tile=True`, every layer of a decoder at 1-16 rows): one program owns
+  BLOCK_N output features and one K-range, and loads its whole [BLOCK_N, BLOCK_K] slice of W in
+  one go (8-64 KB: one memory latency, many bytes in flight). Launched with programmatic
+  dependent launch (kernels/pdl.py), it issues those loads while the kernel before it is still
+  finishing, and only then waits for x. At 1-2 rows it multiplies and sums on the CUDA cores
+  (8-row tiles are allowed, so narrow layers need no K split); from 3 rows, tl.dot on rows
+  padded to 16. With `silu_mul` its input is [gate | up] and x = silu(gate) * up is computed as
+  it is loaded: the down projection needs no SiLU-and-mul kernel of its own.
+- the K-loop kernel (an LM head's vocabulary, and shapes not swept): [BLOCK_N, BLOCK_K] tiles of
+  W, software-pipelined, accumulated with tl.dot on rows padded to BLOCK_M = 16.
+A layer with few output tiles may split K into SPLIT_K ranges so that every SM has work; each
 program writes its fp32 partial sum, and the last of a tile's programs to finish (an atomic
-counter per tile) adds the partials and stores y: one launch, no separate reduce kernel.
+counter per tile) adds the partials and stores y: one launch, no separate reduce kernel. The
+sweep (benchmarks/phase7_gemv.py) found the split's round trip costs ~1.5 µs, so the tuned configs
+avoid it where 8-row tiles give enough programs.
 
 Invariants:
-- x (M, K) with M <= BLOCK_M and a contiguous last dim; W (N, K) contiguous (the checkpoint
-  layout); y (M, N) in x's dtype; fp32 inputs are multiplied in full fp32 (no TF32);
+- x (M, K) (or (M, 2K) with `silu_mul`) with M <= BLOCK_M and a contiguous last dim; W (N, K)
+  contiguous (the checkpoint layout); y (M, N) in x's dtype; fp32 inputs are multiplied in full
+  fp32 (no TF32);
+- before its `gdc_wait` a kernel loads only W (immutable) and writes nothing (kernels/pdl.py);
 - `counters` (int32, one per output tile) are zero between calls: a tile's last program resets
   its own, so one buffer serves every call of a layer and every CUDA graph replay; no two calls
   sharing a buffer run at the same time (one stream);
-- split s covers K positions [s * K / SPLIT_K, (s + 1) * K / SPLIT_K); SPLIT_K * BLOCK_K divides K
-  when EVEN_K, so no load along K needs a mask.
+- K-loop: split s covers K positions [s * K / SPLIT_K, (s + 1) * K / SPLIT_K); SPLIT_K * BLOCK_K
+  divides K when EVEN_K, so no load along K needs a mask. Tile: BLOCK_K * SPLIT_K == K, or one
+  masked slice (SPLIT_K 1, BLOCK_K >= K).
 """
 
 from dataclasses import dataclass
