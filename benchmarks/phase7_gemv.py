@@ -176,10 +176,14 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
-def main():
+def build_parser():
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) - 2))
-    args = parse_args(parser)
+    return parser
+
+
+def main():
+    args = parse_args(build_parser())
     if not torch.cuda.is_available():
         raise SystemExit("phase7_gemv needs a CUDA GPU; nothing to measure here")
     batches = [1] if args.quick else BATCHES
