@@ -62,7 +62,7 @@ SINGLE_PROMPT, SINGLE_NEW = 512, 256
 SLICE = 64
 KERNEL_LEVERS_OFF = dict(
     fuse_add_rms_norm=False, fuse_rope_kv_store=False, tune_decode_attention=False,
-    gemv_max_batch=0,
+    gemv_max_batch=0, fuse_silu_into_gemv=False, programmatic_launch=False,
 )  # fmt: skip
 LEVERS = {  # ablation row: the engine settings of that row (one lever off, or all)
     "all levers": {},
@@ -71,6 +71,8 @@ LEVERS = {  # ablation row: the engine settings of that row (one lever off, or a
     "no fused q/k norm + RoPE + KV store": {"fuse_rope_kv_store": False},
     "untuned decode attention": {"tune_decode_attention": False},
     "no GEMV": {"gemv_max_batch": 0},
+    "no SiLU-and-mul in the down GEMV": {"fuse_silu_into_gemv": False},
+    "no programmatic dependent launch": {"programmatic_launch": False},
     "no kernel levers": KERNEL_LEVERS_OFF,
 }
 PROFILE_BATCHES = (1, 64)

@@ -65,6 +65,10 @@ class KernelConfig:
     fuse_rope_kv_store: bool = True  # q/k norm + RoPE + KV-cache store in one kernel
     tune_decode_attention: bool = True  # decode attention's W-tuned launch (kernels/paged_decode)
     gemv_max_batch: int = 8  # linears of at most this many rows run the GEMV kernel; 0: never
+    fuse_silu_into_gemv: bool = True  # the down projection's GEMV computes SiLU-and-mul as it loads
+    # Programmatic dependent launch (Hopper on): a GEMV starts while the kernel before it ends and
+    # loads its weights before it waits for that kernel's output (kernels/gemv.py)
+    programmatic_launch: bool = True
     # Run the Triton kernels on CPU tensors as well, through Triton's interpreter: slow, for
     # stepping through the kernels and for the tests that count a step's launches.
     interpret_on_cpu: bool = False
@@ -123,12 +127,14 @@ class EngineConfig:
     fuse_rope_kv_store: bool = True
     tune_decode_attention: bool = True
     gemv_max_batch: int = 8
+    fuse_silu_into_gemv: bool = True
+    programmatic_launch: bool = True
 
     @property
     def kernels(self) -> KernelConfig:
         return KernelConfig(
             self.fuse_add_rms_norm, self.fuse_rope_kv_store, self.tune_decode_attention,
-            self.gemv_max_batch,
+            self.gemv_max_batch, self.fuse_silu_into_gemv, self.programmatic_launch,
         )  # fmt: skip
 
     def for_device(self, device_type: str) -> "EngineConfig":

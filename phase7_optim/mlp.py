@@ -36,6 +36,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (N, 2 * I / size)
+        if self.down_proj.matmul.folds_silu_mul(gate_up, self.down_proj.weight):
+            return self.down_proj(gate_up, silu_mul=True)  # no separate kernel (kernels/gemv.py)
         if self.kernels.use_triton(x):  # one fused kernel instead of three (kernels/fused.py)
             from .kernels.fused import silu_and_mul  # here: CPU-only installs may lack Triton
 

@@ -62,14 +62,30 @@ class LinearKernel:
         self.kernels = kernels
         self.counters: torch.Tensor | None = None  # made on the first GEMV, on x's device
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False
+    ) -> torch.Tensor:
+        """x @ W^T; with `silu_mul` (only where `folds_silu_mul` said so) x is [gate | up] and
+        the product is silu(gate) * up @ W^T."""
         if not self.kernels.use_gemv(x):
             return F.linear(x, weight)
         from .kernels.gemv import counters_for, gemv  # here: CPU-only installs may lack Triton
 
         if self.counters is None:
             self.counters = counters_for(weight.shape[0], x.device)
-        return gemv(x, weight, self.counters)
+        return gemv(
+            x, weight, self.counters, silu_mul=silu_mul, pdl=self.kernels.programmatic_launch
+        )
+
+    def folds_silu_mul(self, gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether this product of `gate_up`'s SiLU-and-mul runs it inside the GEMV's load."""
+        if not (self.kernels.fuse_silu_into_gemv and self.kernels.use_gemv(gate_up)):
+            return False
+        from .kernels.gemv import default_gemv_config, silu_mul_pays
+
+        n, k = weight.shape
+        config = default_gemv_config(gate_up.shape[0], n, k, gate_up.device)
+        return silu_mul_pays(config, gate_up.device)
 
 
 def linear_weight(rows: tuple[int, ...], cols: int) -> nn.Parameter:
@@ -186,6 +202,8 @@ class RowParallelLinear(nn.Module):
         size = self.weight.shape[1]
         return WeightShard((self.output_size, self.input_size), 1, self.tp.rank * size, size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight)  # (N, in / size) -> (N, out): this rank's partial sum
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """x (N, in / size), or with `silu_mul` [gate | up] (N, 2 * in / size), whose SiLU-and-mul
+        the GEMV computes as it loads it (`LinearKernel.folds_silu_mul` says when)."""
+        y = self.matmul(x, self.weight, silu_mul)  # -> (N, out): this rank's partial sum
         return all_reduce(y, self.tp)

@@ -33,14 +33,17 @@ import triton
 import triton.language as tl
 
 from .kv_store import PAD_SLOT_ID
+from .pdl import launch_dependents, supports_pdl
 
 SILU_BLOCK = 1024  # columns of SiLU-and-multiply per program
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr
+    x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    launch_dependents(PDL)  # a GEMV after it may start loading its weights (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -61,7 +64,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), n_cols, eps,
-            BLOCK=triton.next_power_of_2(n_cols),
+            BLOCK=triton.next_power_of_2(n_cols), PDL=supports_pdl(x.device),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -70,7 +73,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _fused_add_rms_norm_kernel(
     x_ptr, residual_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -97,13 +102,16 @@ def fused_add_rms_norm(
     if n_rows:
         _fused_add_rms_norm_kernel[(n_rows,)](
             x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n_cols, eps,
-            BLOCK=triton.next_power_of_2(n_cols),
+            BLOCK=triton.next_power_of_2(n_cols), PDL=supports_pdl(x.device),
         )  # fmt: skip
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
+    launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -120,7 +128,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
     if n_rows:
         grid = (n_rows, triton.cdiv(n_cols, SILU_BLOCK))
-        _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), n_cols, BLOCK=SILU_BLOCK)
+        _silu_and_mul_kernel[grid](
+            x, out, x.stride(0), out.stride(0), n_cols, BLOCK=SILU_BLOCK, PDL=supports_pdl(x.device)
+        )  # fmt: skip
     return out
 
 

@@ -7,22 +7,34 @@ on them at batch 1 (0.8-2.0 TB/s, benchmarks/results/roofline_cuda.json): a few 
 is too little work for a kernel tuned for large matrices, and 112 such layers are ~0.7 ms of a
 token. The smaller ones (1,024 output features) are also too few rows to keep every SM busy.
 
-Idea: stream W once with every SM pulling. One program owns BLOCK_N output features and one
-K-range of the input features: it loads the [BLOCK_M, BLOCK_K] slice of x (tiny, from L2) and the
-[BLOCK_N, BLOCK_K] tiles of W (software-pipelined), accumulating with tl.dot in fp32 (the rows
-are padded to BLOCK_M = 16, the smallest tl.dot tile: the tensor cores are idle anyway). A layer
-with few output tiles splits K into SPLIT_K ranges so that every SM has work (split-K); each
+Idea: stream W once with every SM pulling, and start pulling early. Two kernels:
+- the tile kernel (`tile=True`, every layer of a decoder at 1-16 rows): one program owns
+  BLOCK_N output features and one K-range, and loads its whole [BLOCK_N, BLOCK_K] slice of W in
+  one go (8-64 KB: one memory latency, many bytes in flight). Launched with programmatic
+  dependent launch (kernels/pdl.py), it issues those loads while the kernel before it is still
+  finishing, and only then waits for x. At 1-2 rows it multiplies and sums on the CUDA cores
+  (8-row tiles are allowed, so narrow layers need no K split); from 3 rows, tl.dot on rows
+  padded to 16. With `silu_mul` its input is [gate | up] and x = silu(gate) * up is computed as
+  it is loaded: the down projection needs no SiLU-and-mul kernel of its own.
+- the K-loop kernel (an LM head's vocabulary, and shapes not swept): [BLOCK_N, BLOCK_K] tiles of
+  W, software-pipelined, accumulated with tl.dot on rows padded to BLOCK_M = 16.
+A layer with few output tiles may split K into SPLIT_K ranges so that every SM has work; each
 program writes its fp32 partial sum, and the last of a tile's programs to finish (an atomic
-counter per tile) adds the partials and stores y: one launch, no separate reduce kernel.
+counter per tile) adds the partials and stores y: one launch, no separate reduce kernel. The
+sweep (benchmarks/phase7_gemv.py) found the split's round trip costs ~1.5 µs, so the tuned configs
+avoid it where 8-row tiles give enough programs.
 
 Invariants:
-- x (M, K) with M <= BLOCK_M and a contiguous last dim; W (N, K) contiguous (the checkpoint
-  layout); y (M, N) in x's dtype; fp32 inputs are multiplied in full fp32 (no TF32);
+- x (M, K) (or (M, 2K) with `silu_mul`) with M <= BLOCK_M and a contiguous last dim; W (N, K)
+  contiguous (the checkpoint layout); y (M, N) in x's dtype; fp32 inputs are multiplied in full
+  fp32 (no TF32);
+- before its `gdc_wait` a kernel loads only W (immutable) and writes nothing (kernels/pdl.py);
 - `counters` (int32, one per output tile) are zero between calls: a tile's last program resets
   its own, so one buffer serves every call of a layer and every CUDA graph replay; no two calls
   sharing a buffer run at the same time (one stream);
-- split s covers K positions [s * K / SPLIT_K, (s + 1) * K / SPLIT_K); SPLIT_K * BLOCK_K divides K
-  when EVEN_K, so no load along K needs a mask.
+- K-loop: split s covers K positions [s * K / SPLIT_K, (s + 1) * K / SPLIT_K); SPLIT_K * BLOCK_K
+  divides K when EVEN_K, so no load along K needs a mask. Tile: BLOCK_K * SPLIT_K == K, or one
+  masked slice (SPLIT_K 1, BLOCK_K >= K).
 """
 
 from dataclasses import dataclass
@@ -31,42 +43,77 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # x's rows, padded: tl.dot's smallest M on a GPU (config.MAX_GEMV_BATCH)
+from .pdl import launch_dependents, supports_pdl, wait_for_previous
+
+BLOCK_M = 16  # x's rows, padded, for tl.dot: its smallest M on a GPU (config.MAX_GEMV_BATCH)
+MIN_BLOCK_N = 8  # the multiply-and-sum path's narrowest tile (tl.dot's is 16)
 PROGRAMS_PER_SM = 2  # the split heuristic's aim
 WIDE_N = 32768  # output features from which a layer is an LM head: wider tiles
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tile sizes, K split and launch parameters; `default_gemv_config` picks one per shape."""
+    """Tile sizes, K split and launch parameters; `default_gemv_config` picks one per shape.
+
+    `tile`: each program loads its whole [block_n, block_k] slice of W at once (block_k *
+    split_k == K) instead of looping over K; `dot`: tl.dot on rows padded to 16, or (tile only)
+    multiply-and-sum on the CUDA cores; `pdl`: launched with programmatic dependent launch, W's
+    loads issued before the wait for the previous kernel (tile only: the loop waits first)."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int
     num_stages: int
+    tile: bool = False
+    dot: bool = True
+    pdl: bool = False
 
     def __post_init__(self):
+        smallest = 16 if self.dot else MIN_BLOCK_N
         for tile in (self.block_n, self.block_k):
-            if tile < 16 or tile != triton.next_power_of_2(tile):
-                raise ValueError(f"tiles must be powers of two >= 16, got {self}")
+            if tile < smallest or tile != triton.next_power_of_2(tile):
+                raise ValueError(f"tiles must be powers of two >= {smallest}, got {self}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self}")
+        if not self.dot and not self.tile:
+            raise ValueError(f"the K loop multiplies with tl.dot only, got {self}")
 
 
-def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
+def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     if device.type != "cuda":  # the interpreter: few, large programs are quick
         return GemvConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=1)
-    return gemv_config_for(n, k, torch.cuda.get_device_properties(device).multi_processor_count)
+    return gemv_config_for(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def gemv_config_for(n: int, k: int, num_sms: int) -> GemvConfig:
-    """The H200 sweep at batch 1 (benchmarks/phase7_kernels.py, `run_gemv`, 2026-12-01): a tile
-    per program narrow enough that the output tiles alone cover the SMs (BLOCK_N 16 or 32, 64
-    for an LM head's vocabulary), and a K split only for layers too narrow for that (~2 per SM).
-    Qwen3-0.6B at batch 1, µs (cuBLAS): qkv 5.8 (5.5), o_proj 5.4 (12.7), gate_up 6.7 (6.5),
-    down 6.0 (7.6), lm_head 78.6 (82.8, 93% of copy bandwidth). A layer of a few MB costs ~5 µs
-    whoever computes it: a kernel's start and its first loads' latency, not bytes, bound it."""
+# The H200 sweep (benchmarks/phase7_gemv.py, 2026-12-02), Qwen3-0.6B's layers, bf16: per (N, K),
+# the best tile config at 1 row, at 2 rows (multiply-and-sum on the CUDA cores) and at 3-16 rows
+# (tl.dot), all launched with PDL; µs per call at 1 row (the K loop before it; cuBLAS): qkv 3.10
+# (5.76; 5.45), o_proj 2.08 (5.28; 12.69), gate_up 4.37 (6.64; 6.45), down 4.16 (5.92; 7.55).
+def _tile(block_n, block_k, split_k, num_warps, dot=False) -> GemvConfig:
+    return GemvConfig(block_n, block_k, split_k, num_warps, 1, tile=True, dot=dot, pdl=True)
+
+
+TUNED_H200 = {  # (N, K): (1 row, 2 rows, 3-16 rows)
+    (4096, 1024): (_tile(16, 1024, 1, 4), _tile(8, 1024, 1, 4), _tile(16, 1024, 1, 4, True)),
+    (1024, 2048): (_tile(8, 2048, 1, 8), _tile(8, 2048, 1, 4), _tile(64, 256, 8, 4, True)),
+    (6144, 1024): (_tile(8, 1024, 1, 4), _tile(16, 1024, 1, 4), _tile(32, 512, 2, 4, True)),
+    (1024, 3072): (_tile(8, 512, 6, 4), _tile(64, 128, 24, 4), _tile(64, 512, 6, 8, True)),
+}
+H200_SMS = 132
+
+
+def gemv_config_for(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """The sweep's best for a shape it measured (on the H200's 132 SMs); otherwise the K loop
+    with a tile per program narrow enough that the output tiles alone cover the SMs (BLOCK_N 16
+    or 32, 64 for an LM head's vocabulary), and a K split only for layers too narrow for that
+    (~2 per SM). What the sweep found: a layer of a few MB is bound by a kernel's start and its
+    first loads' latency, not by bytes; loading a program's whole slice of W at once, before
+    waiting for the previous kernel (PDL), hides most of it, and a K split costs ~1.5 µs (the
+    partial sums' round trip), so layers with few outputs take 8-row tiles instead."""
+    tuned = TUNED_H200.get((n, k)) if num_sms == H200_SMS else None
+    if tuned is not None:
+        return tuned[min(m, 3) - 1]
     if n >= WIDE_N:
         block_n, block_k = 64, 128
     elif triton.cdiv(n, 32) < num_sms <= triton.cdiv(n, 16):
@@ -87,9 +134,96 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs: int) ->
     return max(s for s in range(1, chunks + 1) if chunks % s == 0 and s <= wanted)
 
 
+def silu_mul_pays(config: GemvConfig, device: torch.device) -> bool:
+    """Whether to fold SiLU-and-mul into x's load under `config`: on the H200 it saves the
+    separate kernel's ~3 µs at 1-2 rows (multiply-and-sum), while with tl.dot (3+ rows) the
+    fused load measured 2-4x slower than the two kernels. On CPU (the interpreter): always."""
+    return device.type != "cuda" or not config.dot
+
+
 def counters_for(n: int, device: torch.device) -> torch.Tensor:
     """A zeroed split-K counter buffer large enough for any config of an n-feature layer."""
-    return torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device)
+    return torch.zeros(triton.cdiv(n, MIN_BLOCK_N), dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _load_x(ptrs, mask, K, SILU_MUL: tl.constexpr):
+    """x's values at `ptrs` in fp32; with SILU_MUL the input is [gate | up] (K each) and x is
+    silu(gate) * up, rounded to the input's dtype as fused.silu_and_mul's output would be."""
+    if SILU_MUL:
+        gate = tl.load(ptrs, mask=mask, other=0.0)
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        g = gate.to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * up).to(gate.dtype).to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_or_reduce(acc, y_ptr, partial_ptr, counters_ptr, offs_m, offs_n, M, N, stride_ym,
+                     pid_n, split, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+    """Stores a program's (BLOCK_M, BLOCK_N) fp32 sums as y; with a K split, as a partial sum
+    that the tile's last program (an atomic counter) adds up and stores."""
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile = offs_m[:, None] * N + offs_n[None, :]  # partial sums: (SPLIT_K, BLOCK_M, N) fp32
+        tl.store(partial_ptr + split * BLOCK_M * N + tile, acc, mask=out_mask)
+        # every thread's stores are done (barrier) and, by the atomic's release, visible to the
+        # GPU before the count; its acquire makes the others' partials visible to the last one
+        tl.debug_barrier()
+        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, offs_n.shape[0]], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # ".cg": from L2, where the other SMs wrote
+                total += tl.load(partial_ptr + s * BLOCK_M * N + tile, mask=out_mask,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counters_ptr + pid_n, 0)  # zero again for the next call
+
+
+@triton.jit
+def _gemv_tile_kernel(
+    x_ptr, w_ptr, y_ptr, partial_ptr, counters_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """One program, one [BLOCK_N, BLOCK_K] slice of W (BLOCK_K * SPLIT_K >= K), loaded at once."""
+    launch_dependents(PDL)  # the next kernel may start: it waits for this one before reading
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    k_mask = offs_k < K  # all true unless K is no power of two (one split, its tail masked)
+    w = tl.load(w_ptrs, mask=(offs_n < N)[:, None] & k_mask[None, :], other=0.0)  # no dependency
+    wait_for_previous(PDL)  # x: the previous kernel's output (and y's memory: its to read)
+    if DOT:
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x = _load_x(x_ptrs, (offs_m < M)[:, None] & k_mask[None, :], K, SILU_MUL).to(w.dtype)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w))
+    else:  # a few rows: multiply and sum on the CUDA cores, row by row
+        wf = w.to(tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            row = tl.minimum(m, M - 1)  # a padded row recomputes the last one, never stored
+            xm = _load_x(x_ptr + row * stride_xm + offs_k, k_mask, K, SILU_MUL)
+            ym = tl.sum(wf * xm[None, :], axis=1)
+            acc = tl.where(offs_m[:, None] == m, ym[None, :], acc)
+    _store_or_reduce(acc, y_ptr, partial_ptr, counters_ptr, offs_m, offs_n, M, N, stride_ym,
+                     pid_n, split, BLOCK_M, SPLIT_K)  # fmt: skip
 
 
 @triton.jit
@@ -102,8 +236,12 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
+    """A K loop over [BLOCK_N, BLOCK_K] tiles of W, software-pipelined (num_stages)."""
+    launch_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -115,37 +253,22 @@ def _gemv_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    wait_for_previous(PDL)
     for start in range(k_lo, k_hi, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            x = _load_x(x_ptrs + offs_k[None, :], m_mask[:, None], K, SILU_MUL)
             w = tl.load(w_ptrs + offs_k[None, :], mask=n_mask[:, None], other=0.0)
         else:
             k_mask = (offs_k < k_hi)[None, :]
-            x = tl.load(x_ptrs + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+            x = _load_x(x_ptrs + offs_k[None, :], m_mask[:, None] & k_mask, K, SILU_MUL)
             w = tl.load(w_ptrs + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
         if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
-
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tile = offs_m[:, None] * N + offs_n[None, :]  # partial sums: (SPLIT_K, BLOCK_M, N) fp32
-        tl.store(partial_ptr + split * BLOCK_M * N + tile, acc, mask=out_mask)
-        # every thread's stores are done (barrier) and, by the atomic's release, visible to the
-        # GPU before the count; its acquire makes the others' partials visible to the last one
-        tl.debug_barrier()
-        if tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # ".cg": from L2, where the other SMs wrote
-                total += tl.load(partial_ptr + s * BLOCK_M * N + tile, mask=out_mask,
-                                 cache_modifier=".cg")  # fmt: skip
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counters_ptr + pid_n, 0)  # zero again for the next call
+            acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
+    _store_or_reduce(acc, y_ptr, partial_ptr, counters_ptr, offs_m, offs_n, M, N, stride_ym,
+                     pid_n, split, BLOCK_M, SPLIT_K)  # fmt: skip
 
 
 def gemv(
@@ -153,31 +276,37 @@ def gemv(
     weight: torch.Tensor,
     counters: torch.Tensor,
     config: GemvConfig | None = None,
+    silu_mul: bool = False,
+    pdl: bool = True,
 ) -> torch.Tensor:
-    """x (M, K), M <= 16, weight (N, K) -> x @ weight^T (M, N). `counters`: `counters_for(N)`,
-    kept by the caller (zero between calls)."""
-    (m, k), n = x.shape, weight.shape[0]
-    assert weight.shape == (n, k) and weight.dtype == x.dtype and m <= BLOCK_M
+    """x (M, K), M <= 16, weight (N, K) -> x @ weight^T (M, N). With `silu_mul`, x is (M, 2K) =
+    [gate | up] and the product is silu(gate) * up @ weight^T (fused.silu_and_mul folded into the
+    load). `counters`: `counters_for(N)`, kept by the caller (zero between calls). `pdl=False`
+    never launches with programmatic dependent launch, whatever the config says."""
+    m, n, k = x.shape[0], *weight.shape
+    assert x.shape[1] == (2 * k if silu_mul else k) and weight.dtype == x.dtype and m <= BLOCK_M
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
-    config = config or default_gemv_config(n, k, x.device)
+    config = config or default_gemv_config(m, n, k, x.device)
     tiles = triton.cdiv(n, config.block_n)
     assert counters.dtype == torch.int32 and counters.numel() >= tiles
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     split_k = config.split_k
-    partial = y.new_empty(split_k, BLOCK_M, n, dtype=torch.float32) if split_k > 1 else y
-    _gemv_kernel[(tiles, split_k)](
-        x, weight, y, partial, counters,
-        m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        SPLIT_K=split_k,
-        EVEN_K=k % (split_k * config.block_k) == 0,
-        IEEE=x.dtype == torch.float32,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )  # fmt: skip
+    block_m = BLOCK_M if config.dot else triton.next_power_of_2(m)
+    partial = y.new_empty(split_k, block_m, n, dtype=torch.float32) if split_k > 1 else y
+    use_pdl = pdl and config.pdl and supports_pdl(x.device)
+    launch = {"launch_pdl": True} if use_pdl else {}  # older Tritons know no such option
+    args = (x, weight, y, partial, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    common = dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                  SPLIT_K=split_k, SILU_MUL=silu_mul, PDL=use_pdl, IEEE=x.dtype == torch.float32,
+                  num_warps=config.num_warps, num_stages=config.num_stages, **launch)  # fmt: skip
+    if config.tile:
+        assert config.block_k * split_k == k or (split_k == 1 and config.block_k >= k), (
+            f"a tile config covers K exactly, or in one masked slice: {config}, K={k}"
+        )
+        _gemv_tile_kernel[(tiles, split_k)](*args, DOT=config.dot, **common)
+    else:
+        even_k = k % (split_k * config.block_k) == 0
+        _gemv_kernel[(tiles, split_k)](*args, EVEN_K=even_k, **common)
     return y

@@ -62,16 +62,21 @@ def test_gemv_is_used_only_below_the_threshold_and_on_the_triton_path():
 
 
 def test_gemv_configs_are_the_h200_sweeps_best_on_qwen3_0_6b():
-    best = {  # (N, K): (block_n, block_k, split_k), benchmarks/phase7_kernels.py's sweep
-        (4096, 1024): (16, 256, 1),  # qkv_proj: 256 narrow tiles, no split
-        (1024, 2048): (32, 128, 8),  # o_proj: 32 tiles, K split 8 ways
-        (6144, 1024): (32, 128, 1),  # gate_up_proj
-        (1024, 3072): (32, 128, 8),  # down_proj
-        (151936, 1024): (64, 128, 1),  # lm_head
+    best = {  # (rows, N, K): (block_n, block_k, split_k, dot), benchmarks/phase7_gemv.py's sweep
+        (1, 4096, 1024): (16, 1024, 1, False),  # qkv_proj: a whole row of W per program
+        (1, 1024, 2048): (8, 2048, 1, False),  # o_proj: 8-row tiles rather than a K split
+        (1, 6144, 1024): (8, 1024, 1, False),  # gate_up_proj
+        (1, 1024, 3072): (8, 512, 6, False),  # down_proj: K is no power of two
+        (2, 1024, 3072): (64, 128, 24, False),
+        (8, 1024, 2048): (64, 256, 8, True),  # tl.dot from 3 rows on
+        (16, 6144, 1024): (32, 512, 2, True),
+        (1, 151936, 1024): (64, 128, 1, True),  # lm_head: the K loop, at 93% of copy bandwidth
     }
-    for (n, k), tiles in best.items():
-        config = gemv_config_for(n, k, num_sms=132)
-        assert (config.block_n, config.block_k, config.split_k) == tiles, (n, k)
+    for (m, n, k), expected in best.items():
+        config = gemv_config_for(m, n, k, num_sms=132)
+        assert (config.block_n, config.block_k, config.split_k, config.dot) == expected, (m, n, k)
+        assert config.tile == (n < 32768) and config.pdl == config.tile
+    assert not gemv_config_for(1, 4096, 1024, num_sms=114).tile  # another GPU: the heuristic
 
 
 def test_tuned_decode_splits_at_ws_mix():
@@ -96,6 +101,9 @@ def test_tuned_decode_splits_at_ws_mix():
         (3, 64, 128, GemvConfig(16, 32, 4, 4, 1)),  # split-K: the last program of a tile sums
         (16, 32, 96, GemvConfig(32, 32, 2, 4, 1)),  # a full row tile; K uneven for the split
         (5, 48, 80, None),  # the interpreter's default config
+        (3, 40, 64, GemvConfig(16, 64, 1, 4, 1, tile=True)),  # one slice of W per program, tl.dot
+        (3, 40, 64, GemvConfig(8, 32, 2, 4, 1, tile=True, dot=False)),  # multiply-and-sum, split
+        (2, 24, 48, GemvConfig(8, 64, 1, 4, 1, tile=True, dot=False)),  # one slice, K masked
     ],
 )
 def test_gemv_matches_matmul(dtype, m, n, k, config):
@@ -106,6 +114,26 @@ def test_gemv_matches_matmul(dtype, m, n, k, config):
         y = gemv(x, weight, counters, config)
         torch.testing.assert_close(y, (x.float() @ weight.float().T).to(dtype), **TOLERANCES[dtype])
     assert not counters.any()
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        GemvConfig(16, 32, 3, 4, 1, tile=True, dot=False),
+        GemvConfig(16, 32, 3, 4, 1, tile=True),
+    ],
+)
+def test_gemv_folds_silu_and_mul_into_its_load(config):
+    """x = [gate | up]: the product is silu_and_mul's output (rounded to the dtype) times W."""
+    from phase7_optim.kernels.fused import silu_and_mul
+
+    torch.manual_seed(4)
+    gate_up, weight = torch.randn(3, 2 * 96).half(), torch.randn(40, 96).half()
+    y = gemv(gate_up, weight, counters_for(40, gate_up.device), config, silu_mul=True)
+    expected = gemv(silu_and_mul(gate_up), weight, counters_for(40, gate_up.device), config)
+    torch.testing.assert_close(y, expected, atol=1e-3, rtol=1e-3)
 
 
 @interpreter
@@ -229,7 +257,9 @@ def test_each_lever_removes_the_launches_it_fuses(monkeypatch):
     assert off(fuse_add_rms_norm=False) == baseline + 2 * layers  # an add beside each norm
     assert off(fuse_rope_kv_store=False) == baseline + 2 * layers  # q rope, k rope, store: 3 -> 1
     assert off(tune_decode_attention=False) == baseline + layers  # the merge of a single split
-    assert off(gemv_max_batch=0) == baseline  # a GEMV replaces a matmul one for one
+    assert off(gemv_max_batch=0) == baseline + layers  # a matmul for a GEMV, and SiLU's kernel
+    assert off(fuse_silu_into_gemv=False) == baseline + layers  # SiLU-and-mul in down's GEMV
+    assert off(programmatic_launch=False) == baseline  # how kernels start, not how many
 
 
 @interpreter
