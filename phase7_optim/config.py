@@ -113,6 +113,10 @@ class EngineConfig:
     preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE  # a str is converted
     num_cpu_kv_blocks: int = 0  # the CPU pool swapped-out blocks wait in (swap mode)
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly (vLLM's name)
+    # False (vLLM's choice): a decode graph ends at the hidden states and the LM head runs
+    # eagerly after the replay. True: the graphs capture it, each bucket then keeping its own
+    # logits buffer (~0.67 GB at 256 sequences and Qwen3's vocabulary): cuda_graph.py.
+    lm_head_in_cuda_graph: bool = False
     tensor_parallel_size: int = 1  # ranks (GPUs) splitting the model: distributed.py
     load_format: str = "auto"  # LOAD_FORMATS
     # How num_kv_blocks is sized when unset (vLLM's names): the KV cache takes

@@ -209,4 +209,8 @@ class Qwen3ForCausalLM(nn.Module):
         """input_ids, positions: (N,) packed new tokens -> logits (R, vocab_size): one row per
         sequence that samples this step (its last new token; a mid-prompt chunk samples nothing)."""
         hidden = self.model(input_ids, positions, batch, kv_cache)  # (N, C)
-        return self.lm_head(hidden[batch.logits_indices])  # (R, V)
+        return self.compute_logits(hidden[batch.logits_indices])  # (R, V)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (R, C) of the rows that sample -> logits (R, vocab_size), on every rank."""
+        return self.lm_head(hidden)

@@ -107,6 +107,7 @@ class ModelRunner:
         ]
         self.num_launched = 0
         self.graphs = None
+        self.lm_head_in_graph = config.lm_head_in_cuda_graph
         if self.device.type == "cuda" and not config.enforce_eager:
             buckets = decode_buckets(config.max_num_seqs)
             self.graphs = DecodeGraphs(self._decode_forward, buckets)
@@ -180,17 +181,24 @@ class ModelRunner:
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
         """A decode step over the first `rows` rows of the device buffers (what graphs capture):
-        one token per sequence, every sequence samples -> logits (rows, V)."""
+        one token per sequence, every sequence samples -> hidden states (rows, C), or logits
+        (rows, V) with `lm_head_in_cuda_graph`."""
         inp = self.inputs
         # full block-table width: any context fits the replay
         batch = inp.forward_batch(rows, rows, rows, 1, self.max_blocks * self.block_size,
                                   self.max_blocks)  # fmt: skip
-        return self.model(inp.input_ids_d[:rows], inp.positions_d[:rows], batch, self.kv_cache)
+        ids, positions = inp.input_ids_d[:rows], inp.positions_d[:rows]
+        if self.lm_head_in_graph:
+            return self.model(ids, positions, batch, self.kv_cache)
+        # every row samples: the hidden states are already the rows the LM head takes
+        return self.model.model(ids, positions, batch, self.kv_cache)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Logits (R, V) of the sequences that sample, on the device (no sync)."""
         if step.graph_batch_size is not None:
-            return self.graphs.replay(step.graph_batch_size)[: step.num_seqs]
+            out = self.graphs.replay(step.graph_batch_size)[: step.num_seqs]
+            # the LM head after the replay runs on the real rows only, not the bucket's padding
+            return out if self.lm_head_in_graph else self.model.compute_logits(out)
         input_ids = self.inputs.input_ids_d[: step.num_tokens]
         positions = self.inputs.positions_d[: step.num_tokens]
         return self.model(input_ids, positions, step.batch, self.kv_cache)

@@ -16,7 +16,12 @@ Invariants:
 - a padded row writes no KV slot (slot PAD_SLOT_ID) and reads none (seq_len 0): padding can never
   touch a live sequence's cache (the convention of attention.py);
 - nothing inside the captured forward syncs with the host or allocates outside the pool; shapes
-  (including the block-table width, fixed at the model's longest context) are fixed at capture.
+  (including the block-table width, fixed at the model's longest context) are fixed at capture;
+- a graph's output stays allocated for as long as the graph lives (each replay writes it), so it
+  is kept small: by default the graphs end at the hidden states (rows x 1,024 for Qwen3-0.6B) and
+  the LM head runs eagerly after the replay, as in vLLM. Captured, the LM head would keep a
+  (rows, vocab) logits buffer per bucket: ~0.67 GB at 256 sequences and Qwen3's 151,936 ids, for
+  a gain the ablation must show (phase 7's README).
 """
 
 from bisect import bisect_left
@@ -45,13 +50,14 @@ def bucket_for(buckets: list[int], num_seqs: int) -> int:
 
 class DecodeGraphs:
     """One captured decode step per bucket. `forward(rows)` runs the model on the first `rows`
-    rows of the static input buffers and returns its logits; it is called once per bucket to
-    warm up (Triton compiles, cuBLAS picks its kernels) and once more under capture."""
+    rows of the static input buffers and returns its output (hidden states or logits); it is
+    called once per bucket to warm up (Triton compiles, cuBLAS picks its kernels) and once more
+    under capture."""
 
     def __init__(self, forward: Callable[[int], torch.Tensor], buckets: list[int]):
         self.buckets = buckets
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> its static output (rows, V)
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its static output (rows, ...)
         pool = None
         with torch.inference_mode():
             for rows in reversed(buckets):  # largest first: the pool is sized by the first
@@ -59,7 +65,7 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[rows] = forward(rows)
+                    self.outputs[rows] = forward(rows)
                 pool = graph.pool()
                 self.graphs[rows] = graph
         torch.cuda.synchronize()
@@ -68,6 +74,10 @@ class DecodeGraphs:
         return bucket_for(self.buckets, num_seqs)
 
     def replay(self, rows: int) -> torch.Tensor:
-        """Runs the captured step on whatever the static buffers hold now -> logits (rows, V)."""
+        """Runs the captured step on whatever the static buffers hold now -> its output."""
         self.graphs[rows].replay()
-        return self.logits[rows]
+        return self.outputs[rows]
+
+    def output_bytes(self) -> int:
+        """What the graphs' outputs keep allocated, all buckets together."""
+        return sum(t.numel() * t.element_size() for t in self.outputs.values())

@@ -67,13 +67,17 @@ def test_cpu_runs_the_torch_path_without_graphs(tiny_llm):
 
 
 class PadTo:
-    """Stands in for DecodeGraphs where no GPU exists: only its bucket choice matters here."""
+    """Stands in for DecodeGraphs where no GPU exists: the bucket it picks, and a "replay" that
+    runs what a graph of that bucket captured, op by op."""
 
-    def __init__(self, rows: int):
-        self.rows = rows
+    def __init__(self, rows: int, runner):
+        self.rows, self.runner = rows, runner
 
     def bucket_for(self, num_seqs: int) -> int:
         return self.rows
+
+    def replay(self, rows: int) -> torch.Tensor:
+        return self.runner._decode_forward(rows)
 
 
 def decode_step(llm: LLM):
@@ -91,23 +95,30 @@ def decode_step(llm: LLM):
 
 
 @interpreter
-def test_padded_decode_rows_write_nowhere_and_read_nothing(tiny_qwen3_tied_dir):
-    """A decode step padded to a bucket gives the unpadded step's logits, and the padded rows
-    leave every KV slot as the real rows left it."""
-    llm = with_kernels(LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu", max_num_seqs=8))
+@pytest.mark.parametrize("lm_head_in_cuda_graph", [False, True])
+def test_padded_decode_rows_write_nowhere_and_read_nothing(
+    tiny_qwen3_tied_dir, lm_head_in_cuda_graph
+):
+    """A decode step padded to a bucket gives the unpadded step's logits (with the LM head in the
+    replay or after it), and the padded rows leave every KV slot as the real rows left it."""
+    llm = LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu", max_num_seqs=8,
+              lm_head_in_cuda_graph=lm_head_in_cuda_graph)  # fmt: skip
+    llm = with_kernels(llm)
     runner = llm.engine.runner
     scheduled = decode_step(llm)
     eager = runner.forward(runner.prepare(scheduled))  # writes this step's K/V
     cache = [t.clone() for t in runner.kv_cache.k + runner.kv_cache.v]
 
-    runner.graphs = PadTo(8)
+    runner.graphs = PadTo(8, runner)
     step = runner.prepare(scheduled)
     assert step.graph_batch_size == 8
     inputs = runner.inputs
     assert (inputs.slot_mapping[3:8] == PAD_SLOT_ID).all() and (inputs.seq_lens[3:8] == 0).all()
     with torch.inference_mode():
-        padded = runner._decode_forward(8)  # what a graph of bucket 8 replays
-    torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
+        padded = runner._decode_forward(8)  # what a graph of bucket 8 replays, all 8 rows
+        logits = runner.forward(step)  # the replay, then the LM head where it is not captured
+    assert padded.shape[-1] == (logits.shape[-1] if lm_head_in_cuda_graph else 64)
+    torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(padded).all()  # padded rows attend to nothing, without NaN
     live = torch.from_numpy(inputs.slot_mapping[:3]).long()
     for before, after in zip(cache, runner.kv_cache.k + runner.kv_cache.v, strict=True):
