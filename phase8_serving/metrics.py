@@ -226,9 +226,11 @@ class EngineMetrics:
         times["inference"].observe(stats.inference_time)
         self.request_success[stats.finish_reason].inc()
 
-    def observe_step(self, num_tokens: int) -> None:
-        """One engine step's tokens, counted vLLM's way (see the module docstring)."""
-        self.iteration_tokens.observe(num_tokens)
+    def observe_step(self, num_new_tokens: int, num_iteration_tokens: int) -> None:
+        """One engine step: its new tokens, and its tokens counted vLLM's way (see the module
+        docstring). Once per step, not per request: each observation takes a lock."""
+        self.generation_tokens.inc(num_new_tokens)
+        self.iteration_tokens.observe(num_iteration_tokens)
 
     def observe_finished(self, timing: "RequestTiming", now: float, finish_reason: str,
                          num_prompt_tokens: int, num_output_tokens: int) -> None:  # fmt: skip

@@ -56,7 +56,7 @@ def process_all(llm, prompt, params, outputs) -> tuple[list[OutputDelta], list[s
     for i, output in enumerate(outputs):
         finished, to_abort = processor.process(StepOutputs([output], float(i), EngineStats()))
         aborts += to_abort
-        deltas.append(collector.pending.pop(0))
+        deltas.append(collector.get_nowait()[0])
         if finished:
             break
     return deltas, aborts
