@@ -20,6 +20,7 @@ the loop that bounds the server: the front-end ceiling in benchmarks/phase8_serv
 """
 
 import asyncio
+import collections
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -218,6 +219,7 @@ class OutputProcessor:
         finished, to_abort = [], []
         num_new_tokens = 0
         num_step_tokens = 0  # vLLM's iteration tokens: new ids, plus a whole prompt at its first
+        gaps: collections.Counter[float] = collections.Counter()  # inter-token latencies
         for output in message.outputs:
             state = self.states.get(output.request_id)
             if state is None:  # aborted after the core sent this
@@ -231,7 +233,7 @@ class OutputProcessor:
             delta = state.update(output)
             num_new_tokens += len(output.new_token_ids)
             num_step_tokens += len(output.new_token_ids) + (state.num_prompt_tokens if first else 0)
-            self._observe(state, output, message.timestamp, now)
+            self._observe(state, output, message.timestamp, now, gaps)
             if delta.finish_reason is not None:
                 del self.states[output.request_id]
                 finished.append(state)
@@ -244,7 +246,7 @@ class OutputProcessor:
                     to_abort.append(output.request_id)
             state.collector.put(state.index, delta)
         if num_step_tokens:
-            self.metrics.observe_step(num_new_tokens, num_step_tokens)
+            self.metrics.observe_step(num_new_tokens, num_step_tokens, gaps)
         return finished, to_abort
 
     def fail_core(self, core: int, error: BaseException) -> list[RequestState]:
@@ -256,7 +258,7 @@ class OutputProcessor:
         return failed
 
     def _observe(self, state: RequestState, output: EngineCoreOutput, core_time: float,
-                 now: float) -> None:  # fmt: skip
+                 now: float, gaps: collections.Counter[float]) -> None:  # fmt: skip
         timing, m = state.timing, self.metrics
         if output.arrival_time is not None:  # the request's first output
             timing.core_arrival, timing.scheduled = output.arrival_time, output.scheduled_time
@@ -266,5 +268,5 @@ class OutputProcessor:
             m.time_to_first_token.observe(now - timing.arrival)
             timing.first_token = core_time
         else:
-            m.inter_token_latency.observe(now - timing.last_token)
+            gaps[now - timing.last_token] += 1  # observed once per step (observe_step)
         timing.last_token = now

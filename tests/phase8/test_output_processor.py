@@ -3,13 +3,21 @@ outputs, the output processor's text (against the offline engine's own detokeniz
 strings), and the collector that merges what a slow client has not read yet."""
 
 import asyncio
+import collections
 import random
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
 from phase8_serving.engine import LLM, RequestOutputKind
 from phase8_serving.engine_core import EngineCoreOutput, StepOutputs
-from phase8_serving.metrics import EngineMetrics, EngineStats, cache_config_info
+from phase8_serving.metrics import (
+    ITL_BUCKETS,
+    CountedHistogram,
+    EngineMetrics,
+    EngineStats,
+    cache_config_info,
+)
 from phase8_serving.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
@@ -157,3 +165,26 @@ def test_collector_merges_what_the_reader_has_not_taken():
             await collector.get()
 
     asyncio.run(main())
+
+
+def test_counted_histogram_renders_as_prometheus_clients_histogram():
+    """The inter-token latency histogram, fed (gap, count) once per step, exposes the same text
+    as prometheus_client's own fed one gap at a time (buckets' edges included)."""
+    rng = random.Random(0)
+    gaps = [rng.choice(ITL_BUCKETS) for _ in range(20)] + [rng.uniform(0, 100) for _ in range(80)]
+    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
+    ours = CountedHistogram("itl_seconds", "Gaps.", "m", ITL_BUCKETS)
+    ours_registry.register(ours)
+    theirs = Histogram("itl_seconds", "Gaps.", ["model_name"], registry=theirs_registry,
+                       buckets=ITL_BUCKETS).labels("m")  # fmt: skip
+    for gap, count in collections.Counter(gaps).items():
+        ours.observe(gap, count)
+    for gap in gaps:
+        theirs.observe(gap)
+
+    def samples(registry):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for metric in registry.collect() for s in metric.samples
+                if not s.name.endswith("_created")}  # fmt: skip
+
+    assert samples(ours_registry) == pytest.approx(samples(theirs_registry))
