@@ -47,16 +47,27 @@ class EngineStepError(RuntimeError):
 
 
 class StreamDetokenizer:
-    """`IncrementalDetokenizer`'s interface over `tokenizers.decoders.DecodeStream`."""
+    """`IncrementalDetokenizer`'s interface over `tokenizers.decoders.DecodeStream`.
+
+    A prompt may end inside a character (token-id prompts can end anywhere). The stream then
+    holds the prompt's unfinished tail, and its first piece of output text would begin with that
+    tail's text: a U+FFFD, or the character the output completes. That text is the prompt's, so
+    it is skipped: the output is the text of prompt + output after the text of the prompt, as
+    the offline engine's detokenizer counts it (`IncrementalDetokenizer`).
+    """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_ids[-DETOKENIZE_CONTEXT_TOKENS:])  # context, then outputs
-        self.read_offset = len(self.token_ids)  # ids up to here have shown all their text
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for token in self.token_ids:  # the prompt's tail renders the first output in context
-            self.stream.step(tokenizer.backend, token)
+        self.read_offset = 0  # ids up to here have shown all their text
+        for i, token in enumerate(self.token_ids):  # the prompt's tail renders outputs in context
+            if self.stream.step(tokenizer.backend, token) is not None:
+                self.read_offset = i + 1
+        # the prompt's unfinished tail, as the prompt's text renders it (U+FFFD for a split
+        # character): the first characters the stream will give back, and not output
+        self.num_prompt_chars = len(self._decode(self.token_ids[self.read_offset :]))
 
     def add_tokens(self, new_ids: Sequence[int]) -> str:
         pieces = []
@@ -66,17 +77,24 @@ class StreamDetokenizer:
             if piece is not None:  # None: a character is still split
                 pieces.append(piece)
                 self.read_offset = len(self.token_ids)
-        return "".join(pieces)
+        return self._without_prompt_text("".join(pieces))
 
     def flush(self) -> str:
         """At the end of a request: what a split character held back, as U+FFFD."""
         if self.read_offset == len(self.token_ids):
             return ""
         start = max(0, self.read_offset - DETOKENIZE_CONTEXT_TOKENS)
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        before = decode(self.token_ids[start : self.read_offset])
+        before = self._decode(self.token_ids[start : self.read_offset])
         self.read_offset = len(self.token_ids)
-        return decode(self.token_ids[start:])[len(before) :]
+        return self._without_prompt_text(self._decode(self.token_ids[start:])[len(before) :])
+
+    def _without_prompt_text(self, text: str) -> str:
+        skip = min(self.num_prompt_chars, len(text))
+        self.num_prompt_chars -= skip
+        return text[skip:]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
 
 
 def make_detokenizer(tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool):

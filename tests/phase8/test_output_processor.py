@@ -136,18 +136,31 @@ def test_a_stop_string_counts_only_after_min_tokens(llm):
     assert [d.text for d in deltas] == [""] and deltas[-1].finish_reason == "stop"
 
 
+def split_prompts(tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the ids that finish its last character): PROMPT, and prompts that end inside a
+    character (byte tokens: a prompt of token ids can end anywhere)."""
+    e_acute, emoji = tokenizer.encode("é"), tokenizer.encode("😀")  # 2 and 4 byte tokens
+    return [(PROMPT, []), (PROMPT + e_acute[:1], e_acute[1:]), (PROMPT + emoji[:2], emoji[2:]),
+            (emoji[:3], emoji[3:])]  # fmt: skip
+
+
 def test_decode_stream_agrees_with_the_two_offset_detokenizer(llm):
     """`DecodeStream` (Rust) and phase 6's detokenizer give the same deltas, invalid UTF-8
-    included (random bytes), and the same flushed tail."""
+    included (random bytes), and the same flushed tail, also after a prompt that ends inside a
+    character, whether the output finishes that character or not (the character is the
+    prompt's: the output shows neither it nor a U+FFFD for it)."""
     tokenizer = llm.get_tokenizer()
     rng = random.Random(0)
-    for _ in range(50):
-        ids = [rng.randrange(256) for _ in range(rng.randrange(1, 12))]
-        fast = StreamDetokenizer(tokenizer, PROMPT, True)
-        slow = IncrementalDetokenizer(tokenizer, PROMPT, True)
-        for token in ids:
-            assert fast.add_tokens([token]) == slow.add_tokens([token]), ids
-        assert fast.flush() == slow.flush(), ids
+    for prompt, rest in split_prompts(tokenizer):
+        completions = [rest + tokenizer.encode("ab"), tokenizer.encode("ab")]
+        completions += [[rng.randrange(256) for _ in range(rng.randrange(1, 12))]
+                        for _ in range(50)]  # fmt: skip
+        for ids in completions:
+            fast = StreamDetokenizer(tokenizer, prompt, True)
+            slow = IncrementalDetokenizer(tokenizer, prompt, True)
+            for token in ids:
+                assert fast.add_tokens([token]) == slow.add_tokens([token]), (prompt, ids)
+            assert fast.flush() == slow.flush(), (prompt, ids)
 
 
 def test_collector_merges_what_the_reader_has_not_taken():
