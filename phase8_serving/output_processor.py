@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .engine_core import EngineCoreOutput, StepOutputs
+from .core_messages import EngineCoreOutput, StepOutputs
 from .metrics import EngineMetrics, RequestTiming
 from .sampling import TokenLogprobs
 from .streaming import OutputDelta, held_back_length

@@ -24,7 +24,8 @@ from .arg_utils import DEFAULT_HOST, DEFAULT_PORT, add_engine_args, engine_kwarg
 from .config import EngineConfig
 
 if typing.TYPE_CHECKING:
-    from .engine_core import CoreInfo, EngineCoreSpec
+    from .core_messages import CoreInfo
+    from .engine_core import EngineCoreSpec
 
 # uvicorn's wait with a timeout of exactly 0 is cancelled before it can see that nothing is
 # running, and logs an error even for an idle server; a tick is "at once" for any request.

@@ -9,8 +9,8 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
+from phase8_serving.core_messages import EngineCoreOutput, StepOutputs
 from phase8_serving.engine import LLM, RequestOutputKind
-from phase8_serving.engine_core import EngineCoreOutput, StepOutputs
 from phase8_serving.metrics import (
     ITL_BUCKETS,
     CountedHistogram,

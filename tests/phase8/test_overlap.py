@@ -19,16 +19,15 @@ import torch
 import zmq
 
 from phase8_serving import LLM, SamplingParams
-from phase8_serving.engine_core import (
+from phase8_serving.core_messages import (
     AbortRequests,
     AddRequests,
     CoreOutput,
-    EngineCore,
     EngineCoreRequest,
-    EngineCoreSpec,
     Hello,
     StepOutputs,
 )
+from phase8_serving.engine_core import EngineCore, EngineCoreSpec
 from phase8_serving.metrics import EngineMetrics, EngineStats, cache_config_info
 from phase8_serving.output_processor import (
     OutputProcessor,
