@@ -131,7 +131,7 @@ def uvicorn_config(app, args: argparse.Namespace):
 
     On SIGTERM uvicorn stops accepting connections and waits for the requests in flight; after
     `--shutdown-timeout` seconds it cancels them, and a cancelled handler closes its streams,
-    which aborts its engine requests (api_server.py). Then the process exits.
+    which aborts its engine requests (serving_engine.py). Then the process exits.
     """
     import uvicorn
 
