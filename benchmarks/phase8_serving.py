@@ -8,10 +8,10 @@ prompts share nothing, and W is served several times by one server):
    40,000 blocks): output tok/s, prefill included (the baseline);
 2. `mini-vllm serve` with the same flags, in its own processes: W all at once, streaming, then
    not streaming, then Poisson arrivals at 16 req/s (TTFT, TPOT, ITL p50/p99);
-3. `mini-vllm serve` with no engine flags (the defaults), W all at once, streaming;
-   then the dashboard's cost: the tuned server streams W at saturation twice with no page open
+   then the dashboard's cost: the same server streams W at saturation twice with no page open
    and twice with one page reading /dashboard/events, alternately (`dashboard_overhead`: both
    lists, their means and the relative difference; goal: within 1%);
+3. `mini-vllm serve` with no engine flags (the defaults), W all at once, streaming;
 4. the front-end ceiling: the same server over a stub model runner that returns a token per
    sequence per step without any model (a CPU engine core with the tuned scheduler): what the front
    end and the client can carry. It must stream >= 3x the offline rate, or the numbers above say
@@ -23,7 +23,7 @@ time / wall time: near 1.0 would mean the client, not the server, was the bound)
 The client is an independent asyncio HTTP client in this process (aiohttp where installed, else
 httpx), one connection per request, reading SSE lines without parsing every chunk's JSON.
 
-Run (CUDA machine, ~7 min): python -m benchmarks.phase8_serving [--out DIR]
+Run (CUDA machine, ~6 min): python -m benchmarks.phase8_serving [--out DIR]
 `--quick`: a tiny model on the CPU, 8 requests (checks that the script works).
 `--ceiling-only`: 4. alone, W-sized (it needs no GPU: to profile the front end on any machine);
 writes phase8_serving_ceiling.json.
@@ -322,20 +322,21 @@ def serve_runs(command: list[str], workload, runs: list[tuple[bool, float]],
         stop_server(process)
 
 
-def dashboard_overhead(command: list[str], workload) -> dict:
+DASHBOARD_WATCH = [False, True] * DASHBOARD_RUNS  # interleaved: drift lands on both sides
+
+
+def dashboard_overhead(results: list[dict]) -> dict:
     """W streamed at saturation by one server, alternately with no dashboard page open and with
-    one watching /dashboard/events (`DASHBOARD_RUNS` of each, interleaved so that drift in the
-    machine's speed lands on both sides)."""
-    watch = [False, True] * DASHBOARD_RUNS
-    results = serve_runs(command, workload, [(True, math.inf)] * len(watch), watch)
-    closed = [r["output_tok_s"] for r, w in zip(results, watch, strict=True) if not w]
-    opened = [r["output_tok_s"] for r, w in zip(results, watch, strict=True) if w]
+    one watching /dashboard/events (`results`: one per `DASHBOARD_WATCH` entry, in order)."""
+    pairs = list(zip(results, DASHBOARD_WATCH, strict=True))
+    closed = [r["output_tok_s"] for r, watched in pairs if not watched]
+    opened = [r["output_tok_s"] for r, watched in pairs if watched]
     mean_closed, mean_open = sum(closed) / len(closed), sum(opened) / len(opened)
     return {
         "closed_output_tok_s": closed, "open_output_tok_s": opened,
         "closed_mean": mean_closed, "open_mean": mean_open,
         "relative_difference": (mean_open - mean_closed) / mean_closed,  # goal: > -0.01
-        "dashboard_frames": [r["dashboard_frames"] for r in results if "dashboard_frames" in r],
+        "dashboard_frames": [r["dashboard_frames"] for r, watched in pairs if watched],
     }  # fmt: skip
 
 
@@ -391,14 +392,15 @@ def run_engine_and_server(model: Path, device: str, flags: dict, workload) -> di
     print("offline ...")
     offline = run_offline(model, workload, device, flags)
     print(f"  {offline['output_tok_s']:,.0f} output tok/s")
-    print("served, tuned flags ...")
+    print("served, tuned flags (then closed / open dashboard pages) ...")
     runs = [(True, math.inf), (False, math.inf), (True, POISSON_RATE)]
-    served = serve_runs(serve_command(model, device, flags), workload, runs)
+    runs += [(True, math.inf)] * len(DASHBOARD_WATCH)  # one server start for all: minutes of GPU
+    watch = [False] * 3 + DASHBOARD_WATCH
+    served = serve_runs(serve_command(model, device, flags), workload, runs, watch)
+    overhead = dashboard_overhead(served[3:])
+    print(f"  dashboard open vs closed: {overhead['relative_difference']:+.2%}")
     print("served, defaults ...")
     defaults = serve_runs(serve_command(model, device, {}), workload, [(True, math.inf)])
-    print("served, tuned flags, dashboard page closed / open ...")
-    overhead = dashboard_overhead(serve_command(model, device, flags), workload)
-    print(f"  open vs closed: {overhead['relative_difference']:+.2%}")
     saturation = served[0]["output_tok_s"]
     return {
         "baseline": {"offline": offline},
