@@ -8,6 +8,9 @@ prompts share nothing, and W is served several times by one server):
    40,000 blocks): output tok/s, prefill included (the baseline);
 2. `mini-vllm serve` with the same flags, in its own processes: W all at once, streaming, then
    not streaming, then Poisson arrivals at 16 req/s (TTFT, TPOT, ITL p50/p99);
+   then the dashboard's cost: the same server streams W at saturation twice with no page open
+   and twice with one page reading /dashboard/events, alternately (`dashboard_overhead`: both
+   lists, their means and the relative difference; goal: within 1%);
 3. `mini-vllm serve` with no engine flags (the defaults), W all at once, streaming;
 4. the front-end ceiling: the same server over a stub model runner that returns a token per
    sequence per step without any model (a CPU engine core with the tuned scheduler): what the front
@@ -20,12 +23,15 @@ time / wall time: near 1.0 would mean the client, not the server, was the bound)
 The client is an independent asyncio HTTP client in this process (aiohttp where installed, else
 httpx), one connection per request, reading SSE lines without parsing every chunk's JSON.
 
-Run (CUDA machine, ~5 min): python -m benchmarks.phase8_serving [--out DIR]
+Run (CUDA machine, ~6 min): python -m benchmarks.phase8_serving [--out DIR]
 `--quick`: a tiny model on the CPU, 8 requests (checks that the script works).
+`--ceiling-only`: 4. alone, W-sized (it needs no GPU: to profile the front end on any machine);
+writes phase8_serving_ceiling.json.
 """
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -61,6 +67,7 @@ TUNED = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "num_kv_blocks": 
 QUICK_TUNED = {**TUNED, "max_num_seqs": 8, "max_num_batched_tokens": 512, "num_kv_blocks": 256}
 POISSON_RATE = 16.0
 CEILING_FACTOR = 3.0
+DASHBOARD_RUNS = 2  # runs with the page open, and as many with it closed
 STARTUP_S = 900
 NAME = "qwen3"
 
@@ -210,14 +217,16 @@ class Session:
             self.session = httpx.AsyncClient(timeout=None, limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=None))  # fmt: skip
 
-    async def lines(self, url: str, body: dict):
+    async def lines(self, url: str, body: dict | None):
+        """POSTs `body` (GETs `url` if None) and yields the response's lines."""
+        method = "GET" if body is None else "POST"
         if self.kind == "aiohttp":
-            async with self.session.post(url, json=body) as response:
+            async with self.session.request(method, url, json=body) as response:
                 response.raise_for_status()
                 async for raw in response.content:
                     yield raw.decode().rstrip("\n")
         else:
-            async with self.session.stream("POST", url, json=body) as response:
+            async with self.session.stream(method, url, json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
                     yield line
@@ -226,8 +235,27 @@ class Session:
         await (self.session.close() if self.kind == "aiohttp" else self.session.aclose())
 
 
-async def _load(url: str, workload: list[Request], stream: bool, rate: float) -> dict:
+async def _watch_dashboard(session: Session, url: str, frames: list[float],
+                           first: asyncio.Future) -> None:  # fmt: skip
+    """A dashboard page's stream, read until cancelled: the time of every frame."""
+    async for line in session.lines(url + "/dashboard/events", None):
+        if line.startswith("data: "):
+            frames.append(time.perf_counter())
+            if not first.done():
+                first.set_result(None)
+
+
+async def _load(url: str, workload: list[Request], stream: bool, rate: float,
+                watch: bool = False) -> dict:  # fmt: skip
+    """Sends `workload` (at `rate` req/s, or all at once); `watch`: with a dashboard page open
+    all along (its first frame arrives before the first request leaves)."""
     session = Session()
+    frames: list[float] = []
+    watcher = None
+    if watch:
+        first = asyncio.get_running_loop().create_future()
+        watcher = asyncio.create_task(_watch_dashboard(session, url, frames, first))
+        await asyncio.wait_for(first, timeout=60)
     rng = random.Random(0)
     tasks = []
     cpu, start = time.process_time(), time.perf_counter()
@@ -242,8 +270,15 @@ async def _load(url: str, workload: list[Request], stream: bool, rate: float) ->
     results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu
+    if watcher is not None:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
     await session.close()
-    return summarize(results, wall, cpu, stream, rate, session.kind)
+    result = summarize(results, wall, cpu, stream, rate, session.kind)
+    if watch:  # proof the page was fed while W ran
+        result["dashboard_frames"] = sum(start <= t <= start + wall for t in frames)
+    return result
 
 
 def percentiles(values: list[float]) -> dict:
@@ -269,18 +304,40 @@ def summarize(results, wall: float, cpu: float, stream: bool, rate: float, clien
     }  # fmt: skip
 
 
-def serve_runs(command: list[str], workload, runs: list[tuple[bool, float]]) -> list[dict]:
+def serve_runs(command: list[str], workload, runs: list[tuple[bool, float]],
+               watch: list[bool] | None = None) -> list[dict]:  # fmt: skip
+    """Starts the server once and sends `workload` once per (stream, rate) of `runs`; `watch`:
+    per run, whether a dashboard page is open meanwhile (default: never)."""
     process, url = start_server(command)
     try:
         out = []
-        for stream, rate in runs:
-            result = asyncio.run(_load(url, workload, stream, rate))
-            print(f"  stream={stream} rate={rate}: {result['output_tok_s']:,.0f} output tok/s, "
+        for (stream, rate), watched in zip(runs, watch or [False] * len(runs), strict=True):
+            result = asyncio.run(_load(url, workload, stream, rate, watched))
+            print(f"  stream={stream} rate={rate} dashboard={'open' if watched else 'closed'}: "
+                  f"{result['output_tok_s']:,.0f} output tok/s, "
                   f"client CPU {result['client_cpu_share']:.0%}")  # fmt: skip
             out.append(result)
         return out
     finally:
         stop_server(process)
+
+
+DASHBOARD_WATCH = [False, True] * DASHBOARD_RUNS  # interleaved: drift lands on both sides
+
+
+def dashboard_overhead(results: list[dict]) -> dict:
+    """W streamed at saturation by one server, alternately with no dashboard page open and with
+    one watching /dashboard/events (`results`: one per `DASHBOARD_WATCH` entry, in order)."""
+    pairs = list(zip(results, DASHBOARD_WATCH, strict=True))
+    closed = [r["output_tok_s"] for r, watched in pairs if not watched]
+    opened = [r["output_tok_s"] for r, watched in pairs if watched]
+    mean_closed, mean_open = sum(closed) / len(closed), sum(opened) / len(opened)
+    return {
+        "closed_output_tok_s": closed, "open_output_tok_s": opened,
+        "closed_mean": mean_closed, "open_mean": mean_open,
+        "relative_difference": (mean_open - mean_closed) / mean_closed,  # goal: > -0.01
+        "dashboard_frames": [r["dashboard_frames"] for r, watched in pairs if watched],
+    }  # fmt: skip
 
 
 def serve_command(checkpoint: Path, device: str, flags: dict) -> list[str]:
@@ -300,9 +357,63 @@ def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--tokenizer-dir", type=Path, default=None,
                         help="Qwen3's tokenizer files (default: tests/assets' copy)")  # fmt: skip
+    parser.add_argument("--ceiling-only", action="store_true",
+                        help="only the front-end ceiling (4.), which needs no GPU: W (or, with "
+                        "--quick, 8 requests) through the stub server")  # fmt: skip
     parser.add_argument("--serve-stub", nargs=2, metavar=("CHECKPOINT", "PORT"),
-                        help=argparse_suppress())  # fmt: skip
+                        help=argparse.SUPPRESS)  # fmt: skip
     return parser
+
+
+def workload_info(workload: list[Request], quick: bool, device: str, flags: dict) -> dict:
+    return {
+        "name": "W" if not quick else "quick",
+        "num_requests": len(workload),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in workload),
+        "max_output_tokens": sum(r.max_tokens for r in workload),
+        "temperature": W_TEMPERATURE,
+        "ignore_eos": True,
+        "model": "Qwen3-0.6B shapes, dummy weights" if not quick else "tiny",
+        "device": device,
+        "tuned_flags": flags,
+    }
+
+
+def run_ceiling(stub: Path, workload: list[Request], quick: bool) -> dict:
+    print("front-end ceiling (stub runner) ...")
+    command = [sys.executable, "-m", "benchmarks.phase8_serving", "--serve-stub", str(stub),
+               "PORT"] + (["--quick"] if quick else [])  # fmt: skip
+    (ceiling,) = serve_runs(command, workload, [(True, math.inf)])
+    return ceiling
+
+
+def run_engine_and_server(model: Path, device: str, flags: dict, workload) -> dict:
+    """1.-3. of the docstring, and the dashboard's cost: the parts that run the model."""
+    print("offline ...")
+    offline = run_offline(model, workload, device, flags)
+    print(f"  {offline['output_tok_s']:,.0f} output tok/s")
+    print("served, tuned flags (then closed / open dashboard pages) ...")
+    runs = [(True, math.inf), (False, math.inf), (True, POISSON_RATE)]
+    runs += [(True, math.inf)] * len(DASHBOARD_WATCH)  # one server start for all: minutes of GPU
+    watch = [False] * 3 + DASHBOARD_WATCH
+    served = serve_runs(serve_command(model, device, flags), workload, runs, watch)
+    overhead = dashboard_overhead(served[3:])
+    print(f"  dashboard open vs closed: {overhead['relative_difference']:+.2%}")
+    print("served, defaults ...")
+    defaults = serve_runs(serve_command(model, device, {}), workload, [(True, math.inf)])
+    saturation = served[0]["output_tok_s"]
+    return {
+        "baseline": {"offline": offline},
+        "served_tuned": {
+            "stream_saturation": served[0],
+            "no_stream_saturation": served[1],
+            f"stream_poisson_{POISSON_RATE:g}": served[2],
+        },
+        "served_defaults": {"stream_saturation": defaults[0]},
+        "dashboard_overhead": overhead,
+        "served_over_offline": saturation / offline["output_tok_s"],
+        "defaults_over_tuned": defaults[0]["output_tok_s"] / saturation,
+    }
 
 
 def main() -> None:
@@ -318,59 +429,27 @@ def main() -> None:
 
         args.tokenizer_dir = assets.qwen3_tokenizer_dir()
     workload = seeded_workload(0, 8, (16, 64), (8, 32), 10001) if quick else workload_w()
+    payload = {"quick": quick, "workload": workload_info(workload, quick, device, flags)}
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_checkpoint(Path(tmp) / "model", TINY if quick else QWEN3_0_6B,
-                                 args.tokenizer_dir)  # fmt: skip
         stub = write_checkpoint(Path(tmp) / "stub", TINY, args.tokenizer_dir)
-        print("offline ...")
-        offline = run_offline(model, workload, device, flags)
-        print(f"  {offline['output_tok_s']:,.0f} output tok/s")
-        print("served, tuned flags ...")
-        runs = [(True, math.inf), (False, math.inf), (True, POISSON_RATE)]
-        served = serve_runs(serve_command(model, device, flags), workload, runs)
-        print("served, defaults ...")
-        defaults = serve_runs(serve_command(model, device, {}), workload, [(True, math.inf)])
-        print("front-end ceiling (stub runner) ...")
-        stub_command = [sys.executable, "-m", "benchmarks.phase8_serving", "--serve-stub",
-                        str(stub), "PORT"] + (["--quick"] if quick else [])  # fmt: skip
-        (ceiling,) = serve_runs(stub_command, workload, [(True, math.inf)])
-    saturation = served[0]["output_tok_s"]
-    payload = {
-        "quick": quick,
-        "workload": {
-            "name": "W" if not quick else "quick",
-            "num_requests": len(workload),
-            "prompt_tokens": sum(len(r.prompt_ids) for r in workload),
-            "max_output_tokens": sum(r.max_tokens for r in workload),
-            "temperature": W_TEMPERATURE,
-            "ignore_eos": True,
-            "model": "Qwen3-0.6B shapes, dummy weights" if not quick else "tiny",
-            "device": device,
-            "tuned_flags": flags,
-        },  # fmt: skip
-        "baseline": {"offline": offline},
-        "served_tuned": {
-            "stream_saturation": served[0],
-            "no_stream_saturation": served[1],
-            f"stream_poisson_{POISSON_RATE:g}": served[2],
-        },  # fmt: skip
-        "served_defaults": {"stream_saturation": defaults[0]},
-        "front_end_ceiling": ceiling,
-        "served_over_offline": saturation / offline["output_tok_s"],
-        "defaults_over_tuned": defaults[0]["output_tok_s"] / saturation,
-        "ceiling_over_offline": ceiling["output_tok_s"] / offline["output_tok_s"],
-        "ceiling_goal": CEILING_FACTOR,
-    }
-    path = write_result("phase8_serving" + ("_quick" if quick else ""), payload, args.out)
+        if not args.ceiling_only:
+            model = write_checkpoint(Path(tmp) / "model", TINY if quick else QWEN3_0_6B,
+                                     args.tokenizer_dir)  # fmt: skip
+            payload |= run_engine_and_server(model, device, flags, workload)
+        payload["front_end_ceiling"] = run_ceiling(stub, workload, quick)
+    ceiling = payload["front_end_ceiling"]["output_tok_s"]
+    name = "phase8_serving" + "_ceiling" * args.ceiling_only + "_quick" * quick
+    if args.ceiling_only:  # the ceiling alone, on whatever machine this is
+        path = write_result(name, payload, args.out)
+        print(f"front-end ceiling {ceiling:,.0f} output tok/s; wrote {path}")
+        return
+    offline = payload["baseline"]["offline"]["output_tok_s"]
+    payload |= {"ceiling_over_offline": ceiling / offline, "ceiling_goal": CEILING_FACTOR}
+    path = write_result(name, payload, args.out)
     print(f"served/offline {payload['served_over_offline']:.2f}, defaults/tuned "
           f"{payload['defaults_over_tuned']:.2f}, ceiling/offline "
-          f"{payload['ceiling_over_offline']:.1f}x; wrote {path}")  # fmt: skip
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
+          f"{payload['ceiling_over_offline']:.1f}x, dashboard open/closed "
+          f"{payload['dashboard_overhead']['relative_difference']:+.2%}; wrote {path}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,16 +27,16 @@ import logging
 from collections.abc import Callable, Sequence
 
 from .core_client import EngineCoreClient, EngineDeadError
-from .engine_core import (
+from .core_messages import (
     AbortRequests,
     AddRequests,
     CoreInfo,
     EngineCoreRequest,
-    EngineCoreSpec,
     EngineState,
     StepOutputs,
     WatchEngine,
 )
+from .engine_core import EngineCoreSpec
 from .metrics import EngineMetrics, EngineStats, cache_config_info
 from .output_processor import (
     EngineStepError,

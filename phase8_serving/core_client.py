@@ -34,18 +34,17 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .engine_core import (
+from .core_messages import (
     CoreInfo,
     CoreInput,
     CoreOutput,
-    EngineCoreSpec,
     EngineState,
     GetState,
     Heartbeat,
     Hello,
     Shutdown,
-    run_engine_core,
 )
+from .engine_core import EngineCoreSpec, run_engine_core
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0  # loading a checkpoint and capturing CUDA graphs takes minutes at most

@@ -160,7 +160,7 @@ class DashboardHub:
 
 class _EventStream(StreamingResponse):
     """Server-sent events that unregister their page however the response ends (the generator's
-    own `finally` may run late: see api_server.EngineStreamingResponse)."""
+    own `finally` may run late: see serving_engine.EngineStreamingResponse)."""
 
     def __init__(self, hub: DashboardHub):
         self.hub, self.mailbox = hub, hub.connect()

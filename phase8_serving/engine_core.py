@@ -7,14 +7,8 @@ event loop the rest; both fought for one GIL, so the GPU waited on Python that h
 with it.
 Idea: the scheduler, the block manager and the model runner live in a process of their own, the
 only one that touches the GPU, and speak token ids only. The front end (async_engine.py) owns
-everything that is text. Over one ZeroMQ socket, msgpack-encoded by msgspec:
-- in, batched: `AddRequests` (every prompt of an HTTP request in one message), `AbortRequests`
-  (a client left, or the front end found a stop string), `GetState` (a small request/reply),
-  `WatchEngine` (a dashboard page opened or closed), and `Hello`, answered with `CoreInfo` (what
-  the front end must know to validate prompts);
-- out: ONE `StepOutputs` per engine step, with every request's new token ids (logprobs when
-  asked), finish reasons, the core's timestamps, `EngineStats` for /metrics and, while watched and
-  at a bounded rate, a `snapshot` dict for dashboards (snapshot.py); `Heartbeat` while idle.
+everything that is text. They speak over one ZeroMQ socket (a ROUTER here), in the messages of
+core_messages.py: requests in, batched; ONE `StepOutputs` out per engine step.
 
 Invariants:
 - the core never detokenizes: its requests use `RequestOutputKind.DELTA_TOKEN_IDS`; stop tokens,
@@ -43,9 +37,23 @@ import msgspec
 import zmq
 
 from .config import EngineConfig
+from .core_messages import (
+    AbortRequests,
+    AddRequests,
+    CoreInfo,
+    CoreInput,
+    CoreOutput,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineState,
+    Heartbeat,
+    Hello,
+    Shutdown,
+    StepOutputs,
+    WatchEngine,
+)
 from .engine import LLM, LLMEngine, RequestOutput, RequestOutputKind
 from .metrics import EngineStats
-from .sampling import SamplingParams, TokenLogprobs
 from .snapshot import engine_snapshot
 
 logger = logging.getLogger(__name__)
@@ -53,103 +61,6 @@ HEARTBEAT_INTERVAL_S = 1.0  # an idle core says it is alive this often
 SNAPSHOT_INTERVAL_S = 0.1  # a watched core snapshots at most ten times a second...
 MAX_SNAPSHOT_DUTY = 0.0025  # ...and spends at most 0.25% of its time on snapshots
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # `mini-vllm`'s, in every process
-
-
-# -- messages (front end -> core) -----------------------------------------------------------------
-
-
-class Message(msgspec.Struct, tag=True, array_like=True):
-    """A message of either direction: a msgpack array led by its class name (the tag)."""
-
-
-class EngineCoreRequest(msgspec.Struct, array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-class Hello(Message):
-    """The front end's first message; the core answers with its `CoreInfo`."""
-
-
-class AddRequests(Message):
-    requests: list[EngineCoreRequest]
-
-
-class AbortRequests(Message):
-    request_ids: list[str]
-
-
-class GetState(Message):
-    call_id: int
-
-
-class WatchEngine(Message):
-    """Whether someone watches this core's snapshots (the dashboard's first page opened, or its
-    last one closed); a core starts unwatched."""
-
-    watching: bool
-
-
-class Shutdown(Message):
-    pass
-
-
-CoreInput = Hello | AddRequests | AbortRequests | GetState | WatchEngine | Shutdown
-
-
-# -- messages (core -> front end) -----------------------------------------------------------------
-
-
-class CoreInfo(Message):
-    """What the front end checks a prompt against before sending it (the engine's own checks)."""
-
-    vocab_size: int
-    max_position_embeddings: int
-    num_kv_slots: int
-    max_num_batched_tokens: int
-    enable_chunked_prefill: bool
-    device: str
-    # the cache's settings, for /metrics (vllm:cache_config_info)
-    block_size: int
-    num_cpu_kv_blocks: int
-    enable_prefix_caching: bool
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's news from one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" (a stop token: it has no text), "length", "error"
-    error: str | None = None  # why, for "error"
-    arrival_time: float | None = None  # the core's clock, on a request's first output only
-    scheduled_time: float | None = None  # when a step first ran it, likewise
-
-
-class StepOutputs(Message):
-    outputs: list[EngineCoreOutput]
-    timestamp: float  # the core's clock when the step ended
-    stats: EngineStats
-    snapshot: dict | None = None  # `EngineCoreSpec.snapshot`'s dict, while watched (at a bounded
-    # rate); a message without outputs may carry one (a core that went idle, a watcher who came)
-
-
-class EngineState(Message):
-    call_id: int
-    num_requests: int  # requests the engine holds, running or waiting
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-
-
-class Heartbeat(Message):
-    pass
-
-
-CoreOutput = CoreInfo | StepOutputs | EngineState | Heartbeat
 
 
 # -- what a core is built from --------------------------------------------------------------------

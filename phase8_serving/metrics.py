@@ -18,13 +18,22 @@ whole prompt of each request whose first token came in that step, plus one per n
 request's life that sums to its usage (prompt + completion tokens).
 """
 
+import bisect
+import itertools
+import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # Histogram buckets in seconds: vLLM's, from sub-millisecond GPU steps to minute-long CPU replies.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -147,6 +156,36 @@ class _StatsCollector(Collector):
             yield metric
 
 
+class CountedHistogram(Collector):
+    """A Prometheus histogram that takes an observation with a count: `observe(value, count)`.
+
+    The front end observes a whole engine step's inter-token gaps at once, and most of them are
+    equal (every request that also had a token in the step before has the same gap), so one
+    observation per distinct gap replaces one per token; prometheus_client's `Histogram` takes
+    two locks per observation, a sixth of the front end's time per token. Fed on the event loop
+    only, as /metrics is read, so it needs no lock.
+    """
+
+    def __init__(self, name: str, documentation: str, model_name: str, buckets: Sequence[float]):
+        self.name, self.documentation, self.model_name = name, documentation, model_name
+        self.upper_bounds = (*buckets, math.inf)
+        self.counts = [0] * len(self.upper_bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.upper_bounds, value)] += count  # le: value <= bound
+        self.sum += value * count
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        cumulative = itertools.accumulate(self.counts)
+        buckets = [
+            (floatToGoString(b), n) for b, n in zip(self.upper_bounds, cumulative, strict=True)
+        ]
+        family.add_metric([self.model_name], buckets, self.sum)
+        yield family
+
+
 class EngineMetrics:
     def __init__(
         self,
@@ -168,10 +207,11 @@ class EngineMetrics:
             "vllm:time_to_first_token_seconds", "Arrival to first token.", labels,
             registry=reg, buckets=TTFT_BUCKETS,
         ).labels(model_name)  # fmt: skip
-        self.inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds", "Gap between consecutive tokens.", labels,
-            registry=reg, buckets=ITL_BUCKETS,
-        ).labels(model_name)  # fmt: skip
+        self.inter_token_latency = CountedHistogram(
+            "vllm:inter_token_latency_seconds", "Gap between consecutive tokens.", model_name,
+            ITL_BUCKETS,
+        )  # fmt: skip
+        reg.register(self.inter_token_latency)
         self.e2e_request_latency = Histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to the last token.", labels,
             registry=reg, buckets=E2E_BUCKETS,
@@ -226,9 +266,15 @@ class EngineMetrics:
         times["inference"].observe(stats.inference_time)
         self.request_success[stats.finish_reason].inc()
 
-    def observe_step(self, num_tokens: int) -> None:
-        """One engine step's tokens, counted vLLM's way (see the module docstring)."""
-        self.iteration_tokens.observe(num_tokens)
+    def observe_step(self, num_new_tokens: int, num_iteration_tokens: int,
+                     inter_token_latencies: Mapping[float, int]) -> None:  # fmt: skip
+        """One engine step: its new tokens, its tokens counted vLLM's way (see the module
+        docstring), and its gaps between a request's tokens (gap -> how many requests had it).
+        Once per step, not per request: a request's share would cost more than its token."""
+        self.generation_tokens.inc(num_new_tokens)
+        self.iteration_tokens.observe(num_iteration_tokens)
+        for gap, count in inter_token_latencies.items():
+            self.inter_token_latency.observe(gap, count)
 
     def observe_finished(self, timing: "RequestTiming", now: float, finish_reason: str,
                          num_prompt_tokens: int, num_output_tokens: int) -> None:  # fmt: skip

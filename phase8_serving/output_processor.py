@@ -5,7 +5,7 @@ stop string they named, streamed as deltas that are never taken back, and a slow
 slow anyone else or pile up a queue of tiny chunks.
 Idea (vLLM v1's `OutputProcessor` and `RequestOutputCollector`):
 - each request keeps a `RequestState`: an incremental detokenizer (`tokenizers`' `DecodeStream`
-  where it exists, else phase 6's two-offset one), its text, how much of it was sent, its timing;
+  where it exists, else phase 6's two-offset one), the text it has not sent yet, its timing;
 - `RequestState.update` turns one step's ids into an `OutputDelta`: new text, minus the tail that
   may still begin a stop string (held back here, once); a stop string ends the request, and the
   processor asks the caller to abort it in the core;
@@ -14,16 +14,20 @@ Idea (vLLM v1's `OutputProcessor` and `RequestOutputCollector`):
   client gets fewer, larger chunks and the processor never waits.
 
 Invariants: a choice's deltas, concatenated, are its final text and token ids; nothing sent is
-ever withdrawn; `process` never blocks and never awaits.
+ever withdrawn; `process` never blocks and never awaits; its cost per step grows with the
+step's tokens only, not with how long the requests have run or how far a client lags (this is
+the loop that bounds the server: the front-end ceiling in benchmarks/phase8_serving.py).
 """
 
 import asyncio
+import collections
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .engine_core import EngineCoreOutput, StepOutputs
+from .core_messages import EngineCoreOutput, StepOutputs
 from .metrics import EngineMetrics, RequestTiming
+from .sampling import TokenLogprobs
 from .streaming import OutputDelta, held_back_length
 from .tokenizer import (
     DETOKENIZE_CONTEXT_TOKENS,
@@ -43,16 +47,27 @@ class EngineStepError(RuntimeError):
 
 
 class StreamDetokenizer:
-    """`IncrementalDetokenizer`'s interface over `tokenizers.decoders.DecodeStream`."""
+    """`IncrementalDetokenizer`'s interface over `tokenizers.decoders.DecodeStream`.
+
+    A prompt may end inside a character (token-id prompts can end anywhere). The stream then
+    holds the prompt's unfinished tail, and its first piece of output text would begin with that
+    tail's text: a U+FFFD, or the character the output completes. That text is the prompt's, so
+    it is skipped: the output is the text of prompt + output after the text of the prompt, as
+    the offline engine's detokenizer counts it (`IncrementalDetokenizer`).
+    """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_ids[-DETOKENIZE_CONTEXT_TOKENS:])  # context, then outputs
-        self.read_offset = len(self.token_ids)  # ids up to here have shown all their text
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for token in self.token_ids:  # the prompt's tail renders the first output in context
-            self.stream.step(tokenizer.backend, token)
+        self.read_offset = 0  # ids up to here have shown all their text
+        for i, token in enumerate(self.token_ids):  # the prompt's tail renders outputs in context
+            if self.stream.step(tokenizer.backend, token) is not None:
+                self.read_offset = i + 1
+        # the prompt's unfinished tail, as the prompt's text renders it (U+FFFD for a split
+        # character): the first characters the stream will give back, and not output
+        self.num_prompt_chars = len(self._decode(self.token_ids[self.read_offset :]))
 
     def add_tokens(self, new_ids: Sequence[int]) -> str:
         pieces = []
@@ -62,17 +77,24 @@ class StreamDetokenizer:
             if piece is not None:  # None: a character is still split
                 pieces.append(piece)
                 self.read_offset = len(self.token_ids)
-        return "".join(pieces)
+        return self._without_prompt_text("".join(pieces))
 
     def flush(self) -> str:
         """At the end of a request: what a split character held back, as U+FFFD."""
         if self.read_offset == len(self.token_ids):
             return ""
         start = max(0, self.read_offset - DETOKENIZE_CONTEXT_TOKENS)
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        before = decode(self.token_ids[start : self.read_offset])
+        before = self._decode(self.token_ids[start : self.read_offset])
         self.read_offset = len(self.token_ids)
-        return decode(self.token_ids[start:])[len(before) :]
+        return self._without_prompt_text(self._decode(self.token_ids[start:])[len(before) :])
+
+    def _without_prompt_text(self, text: str) -> str:
+        skip = min(self.num_prompt_chars, len(text))
+        self.num_prompt_chars -= skip
+        return text[skip:]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
 
 
 def make_detokenizer(tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool):
@@ -81,41 +103,67 @@ def make_detokenizer(tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_speci
     return StreamDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
 
 
-def merge(old: OutputDelta, new: OutputDelta) -> OutputDelta:
-    """Two consecutive deltas of one choice as one."""
-    logprobs = old.logprobs
-    if new.logprobs is not None:
-        logprobs = (logprobs or []) + new.logprobs
-    return OutputDelta(
-        old.text + new.text, old.token_ids + new.token_ids, logprobs, new.finish_reason
-    )
+@dataclass
+class PendingOutput:
+    """One choice's deltas that its handler has not taken yet, merged in place as they come
+    (vLLM's `RequestOutput.add`): a lagging client costs an append per step, not a copy of all
+    it has not read, and one object per choice, not one per step, for the garbage collector."""
+
+    texts: list[str]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+    @classmethod
+    def start(cls, delta: OutputDelta) -> "PendingOutput":
+        logprobs = None if delta.logprobs is None else list(delta.logprobs)
+        return cls([delta.text], list(delta.token_ids), logprobs, delta.finish_reason)
+
+    def add(self, delta: OutputDelta) -> None:
+        self.texts.append(delta.text)
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason = delta.finish_reason
+
+    def delta(self) -> OutputDelta:
+        """Everything added, as one delta."""
+        return OutputDelta("".join(self.texts), self.token_ids, self.logprobs, self.finish_reason)
 
 
 class RequestOutputCollector:
     """One HTTP request's outputs, by choice index, waiting for its handler to take them."""
 
     def __init__(self):
-        self.pending: dict[int, OutputDelta] = {}
+        self.pending: dict[int, PendingOutput] = {}
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
 
     def put(self, index: int, delta: OutputDelta) -> None:
-        old = self.pending.get(index)
-        self.pending[index] = delta if old is None else merge(old, delta)
+        pending = self.pending.get(index)
+        if pending is None:
+            self.pending[index] = PendingOutput.start(delta)
+        else:
+            pending.add(delta)
         self.ready.set()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
         self.ready.set()
 
-    async def get(self) -> dict[int, OutputDelta]:
-        """Everything produced since the last call, one delta per choice; raises on failure."""
-        await self.ready.wait()
+    def get_nowait(self) -> dict[int, OutputDelta]:
+        """Everything produced since the last call, one delta per choice (none: {}); raises on
+        failure."""
         self.ready.clear()
         if self.error is not None:
             raise self.error
         pending, self.pending = self.pending, {}
-        return pending
+        return {index: p.delta() for index, p in pending.items()}
+
+    async def get(self) -> dict[int, OutputDelta]:
+        """`get_nowait`, once there is something to get."""
+        await self.ready.wait()
+        return self.get_nowait()
 
 
 @dataclass
@@ -132,8 +180,7 @@ class RequestState:
     max_tokens: int
     min_tokens: int = 0  # no stop string ends the request before this many tokens (vLLM's rule)
     timing: RequestTiming = field(default_factory=RequestTiming)
-    text: str = ""
-    num_chars_sent: int = 0
+    unsent_text: str = ""  # made but not sent yet: a tail that may begin a stop string
     num_output_tokens: int = 0
 
     # exercise 8.3: the front end's half of a step (token ids to text, stop strings, hold-back)
@@ -145,24 +192,26 @@ class RequestState:
         request with "stop" and the text is cut before it. While the request runs, the longest
         tail of the text that begins some stop string is held back. Within `min_tokens`, stop
         strings are not searched: one counts only if it ends in text of a later token.
+
+        Only the unsent text is kept, never the whole (the handler has what was sent): a stop
+        string that ends in the new text cannot begin in text already sent, or that text's
+        tail would have been held back. So the search and the hold-back read the unsent text
+        and the new, and a step costs the same at the 1st token as at the 10,000th.
         """
         ids, reason = output.new_token_ids, output.finish_reason
         new_text = self.detokenizer.add_tokens(ids[:-1] if reason == "stop" else ids)
         if reason is not None and reason != "stop":
             new_text += self.detokenizer.flush()  # a character split at max_tokens shows up
-        self.text += new_text
+        text = self.unsent_text + new_text
         self.num_output_tokens += len(ids)
         searched = new_text and self.num_output_tokens > self.min_tokens
-        match = find_stop_string(self.text, self.stops, len(new_text)) if searched else None
+        match = find_stop_string(text, self.stops, len(new_text)) if searched else None
         if match is not None:
-            self.text = self.text[: match.index]
+            text = text[: match.index]
             reason = "stop"
-        end = len(self.text)
-        if reason is None:
-            end -= held_back_length(self.text, self.stops)
-        delta_text = self.text[self.num_chars_sent : end]
-        self.num_chars_sent = max(self.num_chars_sent, end)
-        return OutputDelta(delta_text, list(ids), output.new_logprobs, reason)
+        end = len(text) - (held_back_length(text, self.stops) if reason is None else 0)
+        self.unsent_text = text[end:]
+        return OutputDelta(text[:end], list(ids), output.new_logprobs, reason)
 
 
 class OutputProcessor:
@@ -186,7 +235,9 @@ class OutputProcessor:
         must abort (a stop string ended them here while the core would go on)."""
         now = time.monotonic()
         finished, to_abort = [], []
+        num_new_tokens = 0
         num_step_tokens = 0  # vLLM's iteration tokens: new ids, plus a whole prompt at its first
+        gaps: collections.Counter[float] = collections.Counter()  # inter-token latencies
         for output in message.outputs:
             state = self.states.get(output.request_id)
             if state is None:  # aborted after the core sent this
@@ -198,8 +249,9 @@ class OutputProcessor:
                 continue
             first = state.num_output_tokens == 0
             delta = state.update(output)
+            num_new_tokens += len(output.new_token_ids)
             num_step_tokens += len(output.new_token_ids) + (state.num_prompt_tokens if first else 0)
-            self._observe(state, output, message.timestamp, now)
+            self._observe(state, output, message.timestamp, now, gaps)
             if delta.finish_reason is not None:
                 del self.states[output.request_id]
                 finished.append(state)
@@ -212,7 +264,7 @@ class OutputProcessor:
                     to_abort.append(output.request_id)
             state.collector.put(state.index, delta)
         if num_step_tokens:
-            self.metrics.observe_step(num_step_tokens)
+            self.metrics.observe_step(num_new_tokens, num_step_tokens, gaps)
         return finished, to_abort
 
     def fail_core(self, core: int, error: BaseException) -> list[RequestState]:
@@ -224,16 +276,15 @@ class OutputProcessor:
         return failed
 
     def _observe(self, state: RequestState, output: EngineCoreOutput, core_time: float,
-                 now: float) -> None:  # fmt: skip
+                 now: float, gaps: collections.Counter[float]) -> None:  # fmt: skip
         timing, m = state.timing, self.metrics
         if output.arrival_time is not None:  # the request's first output
             timing.core_arrival, timing.scheduled = output.arrival_time, output.scheduled_time
         if not output.new_token_ids:
             return
-        m.generation_tokens.inc(len(output.new_token_ids))
         if timing.last_token is None:
             m.time_to_first_token.observe(now - timing.arrival)
             timing.first_token = core_time
         else:
-            m.inter_token_latency.observe(now - timing.last_token)
+            gaps[now - timing.last_token] += 1  # observed once per step (observe_step)
         timing.last_token = now

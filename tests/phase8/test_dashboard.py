@@ -28,12 +28,8 @@ from phase8_serving import LLM
 from phase8_serving.api_server import ServerConfig, build_app
 from phase8_serving.async_engine import AsyncLLM
 from phase8_serving.cli import main as cli_main
-from phase8_serving.engine_core import (
-    MAX_SNAPSHOT_DUTY,
-    AbortRequests,
-    EngineCore,
-    WatchEngine,
-)
+from phase8_serving.core_messages import AbortRequests, WatchEngine
+from phase8_serving.engine_core import MAX_SNAPSHOT_DUTY, EngineCore
 from phase8_serving.replay import build_replay_app, load_frames
 from phase8_serving.snapshot import MAX_MAP_CELLS, engine_snapshot
 from tests.chromium import Chromium, find_chromium

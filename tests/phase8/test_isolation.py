@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from phase8_serving.api_server import ServerConfig, build_app
-from phase8_serving.engine_core import AddRequests
+from phase8_serving.core_messages import AddRequests
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME
 from .engine_cores import SLOW_MARK

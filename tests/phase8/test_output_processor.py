@@ -3,13 +3,21 @@ outputs, the output processor's text (against the offline engine's own detokeniz
 strings), and the collector that merges what a slow client has not read yet."""
 
 import asyncio
+import collections
 import random
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
+from phase8_serving.core_messages import EngineCoreOutput, StepOutputs
 from phase8_serving.engine import LLM, RequestOutputKind
-from phase8_serving.engine_core import EngineCoreOutput, StepOutputs
-from phase8_serving.metrics import EngineMetrics, EngineStats, cache_config_info
+from phase8_serving.metrics import (
+    ITL_BUCKETS,
+    CountedHistogram,
+    EngineMetrics,
+    EngineStats,
+    cache_config_info,
+)
 from phase8_serving.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
@@ -56,7 +64,7 @@ def process_all(llm, prompt, params, outputs) -> tuple[list[OutputDelta], list[s
     for i, output in enumerate(outputs):
         finished, to_abort = processor.process(StepOutputs([output], float(i), EngineStats()))
         aborts += to_abort
-        deltas.append(collector.pending.pop(0))
+        deltas.append(collector.get_nowait()[0])
         if finished:
             break
     return deltas, aborts
@@ -128,18 +136,31 @@ def test_a_stop_string_counts_only_after_min_tokens(llm):
     assert [d.text for d in deltas] == [""] and deltas[-1].finish_reason == "stop"
 
 
+def split_prompts(tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the ids that finish its last character): PROMPT, and prompts that end inside a
+    character (byte tokens: a prompt of token ids can end anywhere)."""
+    e_acute, emoji = tokenizer.encode("é"), tokenizer.encode("😀")  # 2 and 4 byte tokens
+    return [(PROMPT, []), (PROMPT + e_acute[:1], e_acute[1:]), (PROMPT + emoji[:2], emoji[2:]),
+            (emoji[:3], emoji[3:])]  # fmt: skip
+
+
 def test_decode_stream_agrees_with_the_two_offset_detokenizer(llm):
     """`DecodeStream` (Rust) and phase 6's detokenizer give the same deltas, invalid UTF-8
-    included (random bytes), and the same flushed tail."""
+    included (random bytes), and the same flushed tail, also after a prompt that ends inside a
+    character, whether the output finishes that character or not (the character is the
+    prompt's: the output shows neither it nor a U+FFFD for it)."""
     tokenizer = llm.get_tokenizer()
     rng = random.Random(0)
-    for _ in range(50):
-        ids = [rng.randrange(256) for _ in range(rng.randrange(1, 12))]
-        fast = StreamDetokenizer(tokenizer, PROMPT, True)
-        slow = IncrementalDetokenizer(tokenizer, PROMPT, True)
-        for token in ids:
-            assert fast.add_tokens([token]) == slow.add_tokens([token]), ids
-        assert fast.flush() == slow.flush(), ids
+    for prompt, rest in split_prompts(tokenizer):
+        completions = [rest + tokenizer.encode("ab"), tokenizer.encode("ab")]
+        completions += [[rng.randrange(256) for _ in range(rng.randrange(1, 12))]
+                        for _ in range(50)]  # fmt: skip
+        for ids in completions:
+            fast = StreamDetokenizer(tokenizer, prompt, True)
+            slow = IncrementalDetokenizer(tokenizer, prompt, True)
+            for token in ids:
+                assert fast.add_tokens([token]) == slow.add_tokens([token]), (prompt, ids)
+            assert fast.flush() == slow.flush(), (prompt, ids)
 
 
 def test_collector_merges_what_the_reader_has_not_taken():
@@ -157,3 +178,26 @@ def test_collector_merges_what_the_reader_has_not_taken():
             await collector.get()
 
     asyncio.run(main())
+
+
+def test_counted_histogram_renders_as_prometheus_clients_histogram():
+    """The inter-token latency histogram, fed (gap, count) once per step, exposes the same text
+    as prometheus_client's own fed one gap at a time (buckets' edges included)."""
+    rng = random.Random(0)
+    gaps = [rng.choice(ITL_BUCKETS) for _ in range(20)] + [rng.uniform(0, 100) for _ in range(80)]
+    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
+    ours = CountedHistogram("itl_seconds", "Gaps.", "m", ITL_BUCKETS)
+    ours_registry.register(ours)
+    theirs = Histogram("itl_seconds", "Gaps.", ["model_name"], registry=theirs_registry,
+                       buckets=ITL_BUCKETS).labels("m")  # fmt: skip
+    for gap, count in collections.Counter(gaps).items():
+        ours.observe(gap, count)
+    for gap in gaps:
+        theirs.observe(gap)
+
+    def samples(registry):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for metric in registry.collect() for s in metric.samples
+                if not s.name.endswith("_created")}  # fmt: skip
+
+    assert samples(ours_registry) == pytest.approx(samples(theirs_registry))

@@ -19,16 +19,15 @@ import torch
 import zmq
 
 from phase8_serving import LLM, SamplingParams
-from phase8_serving.engine_core import (
+from phase8_serving.core_messages import (
     AbortRequests,
     AddRequests,
     CoreOutput,
-    EngineCore,
     EngineCoreRequest,
-    EngineCoreSpec,
     Hello,
     StepOutputs,
 )
+from phase8_serving.engine_core import EngineCore, EngineCoreSpec
 from phase8_serving.metrics import EngineMetrics, EngineStats, cache_config_info
 from phase8_serving.output_processor import (
     OutputProcessor,
@@ -282,7 +281,7 @@ def through_the_core(model_dir, params, async_scheduling: bool, **engine_kwargs)
                 fe.abort([str(CLIENT_ABORTED)])
         assert not fe.processor.states and not fe.engine.requests
         assert fe.engine.block_manager.num_used_blocks == 0
-        deltas = {int(i): c.pending[0] for i, c in fe.collectors.items()}
+        deltas = {int(i): c.pending[0].delta() for i, c in fe.collectors.items()}
         results = {i: (d.token_ids, d.text, d.finish_reason, d.logprobs) for i, d in deltas.items()}
         return results, fe.freed_later
     finally:

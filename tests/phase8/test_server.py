@@ -72,6 +72,30 @@ def test_completion_equals_the_offline_engine(client, offline_llm):
     assert served.usage.completion_tokens == len(offline.outputs[0].token_ids)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 6])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_ending_inside_a_character_equals_the_offline_engine(
+    client, live_server, offline_llm, stream, max_tokens
+):
+    """Token ids can end a prompt inside a character: its text is the prompt's, so the reply
+    starts with neither a U+FFFD nor that character, exactly as offline, streamed or not."""
+    from phase8_serving import SamplingParams
+
+    tokenizer = live_server.llm.tokenizer
+    for text in ("Hi é", "Hi 😀", "😀😀"):
+        prompt = tokenizer.encode(text)[:-1]  # the last character loses its last byte
+        offline = offline_llm.generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
+        )[0].outputs[0]
+        served = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, stream=stream, **GREEDY
+        )
+        served_text = "".join(c.choices[0].text for c in served if c.choices) if stream else (
+            served.choices[0].text
+        )  # fmt: skip
+        assert served_text == offline.text, (text, prompt)
+
+
 def test_chat_usage_counts_the_chat_template(client, live_server):
     tokenizer = live_server.llm.tokenizer
     out = client.chat.completions.create(

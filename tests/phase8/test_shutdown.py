@@ -1,7 +1,7 @@
 """`--shutdown-timeout` (vLLM's flag): after SIGTERM, requests in flight may run that long, no
 longer; then they are aborted (their KV blocks freed in the engine core) and the process exits.
 
-In-process: a uvicorn server built by `cli.uvicorn_config` on the test server's event loop (where
+In-process: a uvicorn server built by `serve.uvicorn_config` on the test server's event loop (where
 its `AsyncLLM` lives), in front of the shared spawned engine core, with prompts that carry
 `engine_cores.SLOW_MARK` (every step they are in is slowed down), and `should_exit` set as
 uvicorn's SIGTERM handler sets it. In a subprocess: the real `mini-vllm serve`, its own engine core
@@ -24,7 +24,8 @@ import pytest
 import uvicorn
 
 from phase8_serving.api_server import build_app
-from phase8_serving.cli import SHUTDOWN_TICK_S, build_parser, uvicorn_config
+from phase8_serving.cli import build_parser
+from phase8_serving.serve import SHUTDOWN_TICK_S, uvicorn_config
 
 from .engine_cores import SLOW_MARK
 

@@ -1,0 +1,104 @@
+"""Flags shared by `mini-vllm`'s subcommands: the engine's, derived from `EngineConfig` (vLLM's
+`EngineArgs`, engine/arg_utils.py), and the sampling flags of the offline ones.
+
+Every `EngineConfig` field is a flag of its own (`max_num_seqs` -> `--max-num-seqs`), derived
+from the dataclass, so a knob added to the engine is a flag here without touching this file
+(phase 7's `--tensor-parallel-size`, alias `-tp`, `--load-format`, `--enforce-eager`, and the KV
+cache's `--gpu-memory-utilization`, `--kv-cache-memory-bytes`, `--num-kv-blocks` among them; vLLM's
+`--num-gpu-blocks-override` is another name for the last). A field that may be None (the engine
+chooses) is a flag that may be left out. The engine itself is imported only by the functions
+that build one (see cli.py: torch must not load before `main` has set OpenMP's wait policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import logging
+import typing
+
+from .config import EngineConfig
+
+if typing.TYPE_CHECKING:
+    from .engine import LLM
+    from .sampling import SamplingParams
+
+DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no TLS
+DEFAULT_PORT = 8000
+# vLLM's other names for a flag, where it has them
+FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",)}
+log = logging.getLogger(__name__)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none (None: the help says what then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser shows its defaults: subparsers are made of this class too."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--device", default=None, help="cuda if available, else cpu")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]
+        field_help = f"EngineConfig.{f.name}"
+        if f.default is None:  # the engine chooses (kv_cache_config.py, EngineConfig.for_device)
+            field_help += " (default: the device's)"
+        if hints[f.name] is bool:
+            parser.add_argument(
+                *flags, action=argparse.BooleanOptionalAction, default=f.default, help=field_help
+            )
+        elif isinstance(f.default, enum.Enum):  # the config takes the enum's values as strings
+            choices = [m.value for m in type(f.default)]
+            parser.add_argument(*flags, choices=choices, default=f.default.value, help=field_help)
+        else:
+            parser.add_argument(
+                *flags, type=value_type(hints[f.name]), default=f.default, help=field_help
+            )
+
+
+def value_type(hint) -> type:
+    """`int | None` -> int: a flag left out keeps the default None (the engine chooses)."""
+    types = [t for t in typing.get_args(hint) if t is not type(None)]
+    return types[0] if types else hint
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+def load_llm(args: argparse.Namespace) -> LLM:
+    from .default_model import MODEL_NAME
+    from .engine import LLM
+
+    log.info("loading %s", args.model or f"{MODEL_NAME} (its first use converts it, once)")
+    return LLM(args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens at most")
+    parser.add_argument("--temperature", type=float, default=temperature, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p")
+    parser.add_argument("--top-k", type=int, default=None, help="default: no top-k filter")
+    parser.add_argument("--seed", type=int, default=None, help="default: unseeded")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from .sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.seed,
+    )  # fmt: skip

@@ -1,0 +1,293 @@
+"""Serving: one OpenAI request from its validated body to its response (vLLM's `OpenAIServing`).
+
+Problem: between the routes (api_server.py) and the engine (`AsyncLLM`) sits the work every
+completion and chat request shares: check what the client sent, turn it into token ids and
+`SamplingParams`, open its engine requests, and carry the results back, either at once (a JSON
+body) or step by step as server-sent events (`data: {chunk}\n\n` ... `data: [DONE]\n\n`),
+closing its engine requests however that ends.
+Idea: `OpenAIServing` is vLLM's `OpenAIServing` with its completion and chat subclasses in one:
+the two endpoints differ only in how the prompt is made (a chat template) and how the JSON is
+shaped (responses.py).
+
+Nothing one client sends stalls the others: more than `max_choices_per_request` prompts x n is
+a 400 before any tokenizing; tokenizing and chat templates run in the front end's thread pool,
+never on the event loop; every prompt of a request enters the engine in one message and leaves
+it in one abort. A streamed step is one write per HTTP request (every choice's chunk of that
+step together), its JSON made by orjson or msgspec where installed.
+
+Invariants:
+- every request this server opened in the engine is closed when its handler ends, however it
+  ends (done, error, client gone): `RequestStream.close()` aborts it and frees its KV blocks; a
+  client that leaves is one log line, not a traceback;
+- usage counts are the token ids the engine received and produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import typing
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .async_engine import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
+from .protocol import ChatCompletionRequest, InvalidRequest, SamplingRequest, error_body
+from .responses import (
+    ChoiceStream,
+    chat_chunk,
+    chat_response,
+    chat_role_chunk,
+    completion_chunk,
+    completion_response,
+    usage,
+    usage_chunk,
+)
+
+if typing.TYPE_CHECKING:
+    from .api_server import ServerConfig
+
+logger = logging.getLogger(__name__)
+DONE = b"data: [DONE]\n\n"
+
+try:  # the fastest JSON encoder installed: orjson, then msgspec, then the standard library
+    import orjson
+
+    dumps = orjson.dumps
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        import msgspec
+
+        dumps = msgspec.json.encode
+    except ImportError:
+
+        def dumps(payload) -> bytes:
+            return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class FastJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return dumps(content)
+
+
+class ErrorResponse(JSONResponse):
+    """ASCII-escaped JSON: an error may quote anything a client sent, a lone surrogate too."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content).encode()
+
+
+def error_response(status: int, message: str, param: str | None = None, code=None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ErrorResponse(error_body(message, kind, param, code), status_code=status)
+
+
+class OpenAIServing:
+    """The handlers' shared work: prompts to token ids, requests into the engine, results out."""
+
+    def __init__(self, llm: AsyncLLM, config: ServerConfig):
+        self.llm = llm
+        self.config = config
+        self.tokenizer = llm.tokenizer
+
+    async def serve(self, body: SamplingRequest, request: Request) -> Response:
+        check_no_lone_surrogate(body)  # before anything quotes the client's text back
+        if body.model is not None and body.model != self.config.model_name:
+            raise InvalidRequest(
+                f"The model `{body.model}` does not exist.", "model", 404, "model_not_found"
+            )
+        chat = isinstance(body, ChatCompletionRequest)
+        num_choices = body.n * (1 if chat else len(body.prompts()))
+        if num_choices > self.config.max_choices_per_request:
+            raise InvalidRequest(
+                f"This request asks for {num_choices} completions (prompts x n); the server "
+                f"allows {self.config.max_choices_per_request} (--max-choices-per-request).",
+                "n" if chat else "prompt",
+            )
+        prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = await self._open(request_id, body, prompts)
+        if self.config.enable_log_requests:
+            logger.info("%s: %d prompt tokens, %d choices, stream=%s", request_id,
+                        sum(map(len, prompts)), num_choices, bool(body.stream))  # fmt: skip
+        choices = [ChoiceStream(i, self.tokenizer) for i in range(num_choices)]
+        meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
+        if body.stream:
+            events = self._events(stream, choices, meta, body, prompts, chat)
+            return EngineStreamingResponse(events, stream, request_id)
+        try:
+            client_left = await _unless_disconnected(request, _collect(stream, choices))
+        except (EngineStepError, EngineDeadError) as e:
+            return error_response(500, str(e))
+        finally:
+            stream.close()
+        if client_left:
+            logger.info("%s: the client disconnected; its requests were aborted", request_id)
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+        build = chat_response if chat else completion_response
+        return FastJSONResponse(build(meta, choices, usage(prompts, choices)))
+
+    def _prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
+        """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input."""
+        tok = self.tokenizer
+        if isinstance(body, ChatCompletionRequest):
+            messages = [m.for_template() for m in body.messages]
+            try:
+                text = tok.apply_chat_template(
+                    messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
+                )
+            except Exception as e:  # the template is code we run on the client's input
+                raise InvalidRequest(f"the chat template failed: {e}", "messages") from e
+            return tok.encode_batch([text], add_special_tokens=False)  # the template holds them
+        prompts = body.prompts()
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(tok.encode_batch(texts) if texts else [])
+        prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        if not all(prompts):
+            raise InvalidRequest("the prompt must contain at least one token", "prompt")
+        return prompts
+
+    async def _open(
+        self, request_id: str, body: SamplingRequest, prompts: list[list[int]]
+    ) -> RequestStream:
+        """All engine requests of this HTTP request, admitted in one message; choice index =
+        prompt index * n + choice."""
+        expanded, params = [], []
+        try:
+            for prompt in prompts:
+                for choice in range(body.n):
+                    expanded.append(prompt)
+                    params.append(
+                        body.sampling_params(len(prompt), self.config.max_model_len, choice)
+                    )
+            return await self.llm.add_requests(request_id, expanded, params)
+        except InvalidRequest:
+            raise
+        except ValueError as e:  # SamplingParams' or the engine's verdict: nothing was sent
+            raise InvalidRequest(str(e)) from e
+
+    async def _events(
+        self, stream: RequestStream, choices: list[ChoiceStream], meta: dict,
+        body: SamplingRequest, prompts, chat: bool,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        """The SSE body: one write per engine step with every choice's news of that step."""
+        chunk = chat_chunk if chat else completion_chunk
+        extra = {"usage": None} if body.include_usage else {}  # OpenAI's shape with usage on
+        tail = []
+        try:
+            if chat:  # the role comes first, once per choice, as OpenAI sends it
+                yield b"".join(_sse({**chat_role_chunk(meta, c), **extra}) for c in choices)
+            async for deltas in stream:
+                events = []
+                for index, delta in deltas.items():
+                    choice = choices[index]
+                    if choice.add(delta):  # rendered now: text_offset reads the choice's totals
+                        events.append(_sse({**chunk(meta, choice, delta), **extra}))
+                if events:
+                    yield b"".join(events)
+            if body.include_usage:
+                tail.append(_sse(usage_chunk(meta, usage(prompts, choices), chat)))
+        except (EngineStepError, EngineDeadError) as e:
+            tail.append(_sse(error_body(str(e), "server_error", None, None)))
+        finally:
+            stream.close()
+        yield b"".join(tail) + DONE
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """Server-sent events that close their engine requests however the response ends.
+
+    When the client goes away, Starlette cancels the response wherever it is waiting; if that is
+    inside `send`, the event generator is left suspended and its `finally` would run only when
+    the garbage collector finalizes it. So the cleanup is done here, explicitly.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream, request_id: str):
+        super().__init__(events, media_type="text/event-stream")
+        self.stream = stream
+        self.request_id = request_id
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except OSError:  # the socket broke under a write: the client is gone all the same
+            pass
+        finally:
+            self.stream.close()  # aborts what has not finished: its KV blocks are freed
+            if self.stream.abandoned:
+                logger.info("%s: the client disconnected mid-stream; its requests were aborted",
+                            self.request_id)  # fmt: skip
+            await self.body_iterator.aclose()  # ends the generator
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + dumps(payload) + b"\n\n"
+
+
+def check_no_lone_surrogate(body: SamplingRequest) -> None:
+    """A lone UTF-16 surrogate ("\\ud800" in JSON) is valid JSON but no text: nothing can encode
+    it (the tokenizer, the reply), so it is refused up front, naming where it was."""
+    where = _lone_surrogate(body.model_dump(exclude_defaults=True), "")
+    if where is not None:
+        raise InvalidRequest(f"{where or 'body'}: contains a lone surrogate (not valid Unicode)",
+                             where.split(".")[0] or None)  # fmt: skip
+
+
+def _lone_surrogate(value, path: str) -> str | None:
+    """The path of the first string holding a lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        inner = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _lone_surrogate(key, inner) is not None:
+            return inner
+        if isinstance(item, str | dict | list | tuple):  # token ids need no look
+            found = _lone_surrogate(item, inner)
+            if found is not None:
+                return found
+    return None
+
+
+async def _collect(stream: RequestStream, choices: list[ChoiceStream]) -> None:
+    async for deltas in stream:
+        for index, delta in deltas.items():
+            choices[index].add(delta)
+
+
+async def _unless_disconnected(request: Request, work) -> bool:
+    """Awaits `work`; True if the client hung up first (the work is then cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        # The body is already read, so the next ASGI message is http.disconnect (if it comes).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done():
+        task.result()  # raises the work's error
+        return False
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # let the cancelled work unwind (it closes nothing: the caller does)
+    return True
