@@ -43,6 +43,7 @@ from .core_messages import (
     Heartbeat,
     Hello,
     Shutdown,
+    make_socket,
 )
 from .engine_core import EngineCoreSpec, run_engine_core
 
@@ -262,8 +263,7 @@ class EngineCoreClient:
 
 
 def _dealer(context: zmq.Context, address: str) -> zmq.Socket:
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
+    socket = make_socket(context, zmq.DEALER)
     socket.connect(address)
     return socket
 

@@ -13,12 +13,28 @@ so one decoder per direction reads them all). Token ids cross the boundary, neve
 - out: ONE `StepOutputs` per engine step, with every request's new token ids (logprobs when
   asked), finish reasons, the core's timestamps, `EngineStats` for /metrics and, while watched and
   at a bounded rate, a `snapshot` dict for dashboards (snapshot.py); `Heartbeat` while idle.
+They travel on ZMQ sockets made by `make_socket`: a ROUTER in the core, a DEALER per front end.
 """
 
 import msgspec
+import zmq
 
 from .metrics import EngineStats
 from .sampling import SamplingParams, TokenLogprobs
+
+
+def make_socket(context: zmq.Context, kind: int) -> zmq.Socket:
+    """A socket that neither drops nor blocks however far its peer falls behind. ZMQ's default
+    high-water mark (1,000 messages each side) would make the core's ROUTER silently drop the
+    step outputs a slow front end has not read, leaving those requests waiting forever, and a
+    DEALER block the front end's event loop. The backlog is bounded anyway: by the steps the
+    engine runs meanwhile, and by the requests a front end admits."""
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)  # 0: no limit
+    socket.setsockopt(zmq.RCVHWM, 0)
+    return socket
+
 
 # -- messages (front end -> core) -----------------------------------------------------------------
 

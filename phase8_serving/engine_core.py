@@ -51,6 +51,7 @@ from .core_messages import (
     Shutdown,
     StepOutputs,
     WatchEngine,
+    make_socket,
 )
 from .engine import LLM, LLMEngine, RequestOutput, RequestOutputKind
 from .metrics import EngineStats
@@ -318,8 +319,7 @@ def run_engine_core(
 
         torch.set_num_threads(spec.num_threads)
     context = zmq.Context()
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 0)
+    socket = make_socket(context, zmq.ROUTER)
     socket.bind(address)  # first: a taken address fails before the slow load
     llm = spec.make_llm(spec)
     try:

@@ -1,5 +1,6 @@
 """The process layout: data parallelism over two CPU engine cores, the dashboard's stats hook,
-a core that dies mid-stream, and a front end and a core started as separate commands over tcp."""
+a core that dies mid-stream, a front end and a core started as separate commands over tcp, and
+a backlog of step outputs that no socket drops."""
 
 import os
 import signal
@@ -130,3 +131,37 @@ def test_front_end_and_core_as_separate_commands_over_tcp(tiny_dir):
         for process in (serve, core):
             process.terminate()
             process.wait(timeout=60)
+
+
+@pytest.mark.parametrize("make", ["make_socket", "zmq_default"])
+def test_a_front_end_that_falls_behind_loses_no_step_output(make):
+    """The core's ROUTER queues what a slow front end has not read yet: 5,000 step messages sent
+    before the front end reads one all arrive, in order (ZMQ's default high-water mark would drop
+    all but ~2,000 of them, silently, and leave their requests waiting forever)."""
+    import zmq
+
+    from phase8_serving.core_messages import make_socket
+
+    context = zmq.Context()
+    if make == "make_socket":
+        router, dealer = make_socket(context, zmq.ROUTER), make_socket(context, zmq.DEALER)
+    else:
+        router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://core")
+        dealer.connect("inproc://core")
+        dealer.send(b"hello")
+        identity, _ = router.recv_multipart()
+        for i in range(5000):
+            router.send_multipart([identity, b"%d" % i])  # a ROUTER never blocks: it drops
+        received = []
+        while dealer.poll(200):
+            received.append(int(dealer.recv()))
+        if make == "zmq_default":  # what the test guards against
+            assert len(received) < 5000
+        else:
+            assert received == list(range(5000))
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        context.term()
