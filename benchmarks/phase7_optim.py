@@ -73,7 +73,8 @@ LEVERS = {  # ablation row: the engine settings of that row (one lever off, or a
     "no GEMV": {"gemv_max_batch": 0},
     "no SiLU-and-mul in the down GEMV": {"fuse_silu_into_gemv": False},
     "no programmatic dependent launch": {"programmatic_launch": False},
-    "LM head inside the CUDA graphs": {"lm_head_in_cuda_graph": True},  # a lever turned on
+    "LM head in no CUDA graph": {"lm_head_graph_max_batch": 0},
+    "LM head in every CUDA graph": {"lm_head_graph_max_batch": 256},
     "no kernel levers": KERNEL_LEVERS_OFF,
 }
 PROFILE_BATCHES = (1, 64)

@@ -101,6 +101,10 @@ MAX_GEMV_BATCH = 16  # rows the GEMV kernel's tile holds (tl.dot's smallest M on
 DEFAULT_KERNELS = KernelConfig()  # every lever on: what a model built without one runs
 
 
+# no CPU pool, no GEMV and no LM head in the graphs are valid
+ZERO_ALLOWED = ("num_cpu_kv_blocks", "gemv_max_batch", "lm_head_graph_max_batch")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # None: the device's default (`for_device`)
@@ -113,10 +117,9 @@ class EngineConfig:
     preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE  # a str is converted
     num_cpu_kv_blocks: int = 0  # the CPU pool swapped-out blocks wait in (swap mode)
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly (vLLM's name)
-    # False (vLLM's choice): a decode graph ends at the hidden states and the LM head runs
-    # eagerly after the replay. True: the graphs capture it, each bucket then keeping its own
-    # logits buffer (~0.67 GB at 256 sequences and Qwen3's vocabulary): cuda_graph.py.
-    lm_head_in_cuda_graph: bool = False
+    # Decode graphs of at most this many rows capture the LM head too; larger ones end at the
+    # hidden states and the LM head runs after the replay (cuda_graph.py says why). 0: never.
+    lm_head_graph_max_batch: int = 16
     tensor_parallel_size: int = 1  # ranks (GPUs) splitting the model: distributed.py
     load_format: str = "auto"  # LOAD_FORMATS
     # How num_kv_blocks is sized when unset (vLLM's names): the KV cache takes
@@ -163,8 +166,7 @@ class EngineConfig:
             if field.type is int or (field.type == OPTIONAL_INT and value is not None):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise TypeError(f"EngineConfig.{field.name} must be an int, got {value!r}")
-                # no CPU pool and no GEMV are valid
-                minimum = 0 if field.name in ("num_cpu_kv_blocks", "gemv_max_batch") else 1
+                minimum = 0 if field.name in ZERO_ALLOWED else 1
                 if value < minimum:
                     raise ValueError(f"EngineConfig.{field.name} must be >= {minimum}, got {value}")
         modes = [m.value for m in PreemptionMode]

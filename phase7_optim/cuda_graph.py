@@ -17,11 +17,12 @@ Invariants:
   touch a live sequence's cache (the convention of attention.py);
 - nothing inside the captured forward syncs with the host or allocates outside the pool; shapes
   (including the block-table width, fixed at the model's longest context) are fixed at capture;
-- a graph's output stays allocated for as long as the graph lives (each replay writes it), so it
-  is kept small: by default the graphs end at the hidden states (rows x 1,024 for Qwen3-0.6B) and
-  the LM head runs eagerly after the replay, as in vLLM. Captured, the LM head would keep a
-  (rows, vocab) logits buffer per bucket: ~0.67 GB at 256 sequences and Qwen3's 151,936 ids, for
-  a gain the ablation must show (phase 7's README).
+- a graph's output stays allocated for as long as the graph lives (each replay writes it). Small
+  buckets (up to `lm_head_graph_max_batch` rows, 16) capture the LM head: at batch 1 its launch
+  from Python after the replay cost 0.1 ms a token on the H200. Larger ones end at the hidden
+  states and the LM head runs after the replay, as in vLLM: there a launch is nothing beside the
+  step, and a captured head would keep a (rows, vocab) logits buffer per bucket, ~0.67 GB at 256
+  sequences and Qwen3's 151,936 ids. The ablation in phase 7's README measures both.
 """
 
 from bisect import bisect_left

@@ -107,7 +107,7 @@ class ModelRunner:
         ]
         self.num_launched = 0
         self.graphs = None
-        self.lm_head_in_graph = config.lm_head_in_cuda_graph
+        self.lm_head_graph_max_batch = config.lm_head_graph_max_batch
         if self.device.type == "cuda" and not config.enforce_eager:
             buckets = decode_buckets(config.max_num_seqs)
             self.graphs = DecodeGraphs(self._decode_forward, buckets)
@@ -181,14 +181,14 @@ class ModelRunner:
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
         """A decode step over the first `rows` rows of the device buffers (what graphs capture):
-        one token per sequence, every sequence samples -> hidden states (rows, C), or logits
-        (rows, V) with `lm_head_in_cuda_graph`."""
+        one token per sequence, every sequence samples -> logits (rows, V) up to
+        `lm_head_graph_max_batch` rows, hidden states (rows, C) above."""
         inp = self.inputs
         # full block-table width: any context fits the replay
         batch = inp.forward_batch(rows, rows, rows, 1, self.max_blocks * self.block_size,
                                   self.max_blocks)  # fmt: skip
         ids, positions = inp.input_ids_d[:rows], inp.positions_d[:rows]
-        if self.lm_head_in_graph:
+        if rows <= self.lm_head_graph_max_batch:
             return self.model(ids, positions, batch, self.kv_cache)
         # every row samples: the hidden states are already the rows the LM head takes
         return self.model.model(ids, positions, batch, self.kv_cache)
@@ -196,9 +196,11 @@ class ModelRunner:
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Logits (R, V) of the sequences that sample, on the device (no sync)."""
         if step.graph_batch_size is not None:
-            out = self.graphs.replay(step.graph_batch_size)[: step.num_seqs]
-            # the LM head after the replay runs on the real rows only, not the bucket's padding
-            return out if self.lm_head_in_graph else self.model.compute_logits(out)
+            rows = step.graph_batch_size
+            out = self.graphs.replay(rows)[: step.num_seqs]
+            if rows <= self.lm_head_graph_max_batch:
+                return out
+            return self.model.compute_logits(out)  # on the real rows only, not the padding
         input_ids = self.inputs.input_ids_d[: step.num_tokens]
         positions = self.inputs.positions_d[: step.num_tokens]
         return self.model(input_ids, positions, step.batch, self.kv_cache)

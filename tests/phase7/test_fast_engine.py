@@ -95,14 +95,14 @@ def decode_step(llm: LLM):
 
 
 @interpreter
-@pytest.mark.parametrize("lm_head_in_cuda_graph", [False, True])
+@pytest.mark.parametrize("lm_head_graph_max_batch", [0, 8])
 def test_padded_decode_rows_write_nowhere_and_read_nothing(
-    tiny_qwen3_tied_dir, lm_head_in_cuda_graph
+    tiny_qwen3_tied_dir, lm_head_graph_max_batch
 ):
     """A decode step padded to a bucket gives the unpadded step's logits (with the LM head in the
     replay or after it), and the padded rows leave every KV slot as the real rows left it."""
     llm = LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu", max_num_seqs=8,
-              lm_head_in_cuda_graph=lm_head_in_cuda_graph)  # fmt: skip
+              lm_head_graph_max_batch=lm_head_graph_max_batch)  # fmt: skip
     llm = with_kernels(llm)
     runner = llm.engine.runner
     scheduled = decode_step(llm)
@@ -117,7 +117,7 @@ def test_padded_decode_rows_write_nowhere_and_read_nothing(
     with torch.inference_mode():
         padded = runner._decode_forward(8)  # what a graph of bucket 8 replays, all 8 rows
         logits = runner.forward(step)  # the replay, then the LM head where it is not captured
-    assert padded.shape[-1] == (logits.shape[-1] if lm_head_in_cuda_graph else 64)
+    assert padded.shape[-1] == (logits.shape[-1] if lm_head_graph_max_batch == 8 else 64)
     torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(padded).all()  # padded rows attend to nothing, without NaN
     live = torch.from_numpy(inputs.slot_mapping[:3]).long()
