@@ -26,7 +26,8 @@ httpx), one connection per request, reading SSE lines without parsing every chun
 Run (CUDA machine, ~6 min): python -m benchmarks.phase8_serving [--out DIR]
 `--quick`: a tiny model on the CPU, 8 requests (checks that the script works).
 `--ceiling-only`: 4. alone, W-sized (it needs no GPU: to profile the front end on any machine);
-writes phase8_serving_ceiling.json.
+writes phase8_serving_ceiling.json. `--dashboard-only PAIRS`: the dashboard's cost alone, with
+more alternating runs than the full run's 2 + 2 (the tuned server; phase8_serving_dashboard.json).
 """
 
 import argparse
@@ -325,10 +326,10 @@ def serve_runs(command: list[str], workload, runs: list[tuple[bool, float]],
 DASHBOARD_WATCH = [False, True] * DASHBOARD_RUNS  # interleaved: drift lands on both sides
 
 
-def dashboard_overhead(results: list[dict]) -> dict:
+def dashboard_overhead(results: list[dict], watch: list[bool] = DASHBOARD_WATCH) -> dict:
     """W streamed at saturation by one server, alternately with no dashboard page open and with
-    one watching /dashboard/events (`results`: one per `DASHBOARD_WATCH` entry, in order)."""
-    pairs = list(zip(results, DASHBOARD_WATCH, strict=True))
+    one watching /dashboard/events (`results`: one per `watch` entry, in order)."""
+    pairs = list(zip(results, watch, strict=True))
     closed = [r["output_tok_s"] for r, watched in pairs if not watched]
     opened = [r["output_tok_s"] for r, watched in pairs if watched]
     mean_closed, mean_open = sum(closed) / len(closed), sum(opened) / len(opened)
@@ -360,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ceiling-only", action="store_true",
                         help="only the front-end ceiling (4.), which needs no GPU: W (or, with "
                         "--quick, 8 requests) through the stub server")  # fmt: skip
+    parser.add_argument("--dashboard-only", type=int, metavar="PAIRS", default=0,
+                        help="only the dashboard's cost: the tuned server, W streamed PAIRS times "
+                        "with no page open and PAIRS times with one, alternately")  # fmt: skip
     parser.add_argument("--serve-stub", nargs=2, metavar=("CHECKPOINT", "PORT"),
                         help=argparse.SUPPRESS)  # fmt: skip
     return parser
@@ -416,6 +420,18 @@ def run_engine_and_server(model: Path, device: str, flags: dict, workload) -> di
     }
 
 
+def run_dashboard_only(args, device: str, flags: dict, workload) -> dict:
+    watch = [False, True] * args.dashboard_only
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_checkpoint(Path(tmp) / "model", TINY if args.quick else QWEN3_0_6B,
+                                 args.tokenizer_dir)  # fmt: skip
+        runs = [(True, math.inf)] * len(watch)
+        served = serve_runs(serve_command(model, device, flags), workload, runs, watch)
+    overhead = dashboard_overhead(served, watch)
+    print(f"dashboard open vs closed: {overhead['relative_difference']:+.2%}")
+    return {"dashboard_overhead": overhead}
+
+
 def main() -> None:
     args = parse_args(build_parser())
     quick = args.quick
@@ -430,6 +446,10 @@ def main() -> None:
         args.tokenizer_dir = assets.qwen3_tokenizer_dir()
     workload = seeded_workload(0, 8, (16, 64), (8, 32), 10001) if quick else workload_w()
     payload = {"quick": quick, "workload": workload_info(workload, quick, device, flags)}
+    if args.dashboard_only:
+        payload |= run_dashboard_only(args, device, flags, workload)
+        write_result("phase8_serving_dashboard" + "_quick" * quick, payload, args.out)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         stub = write_checkpoint(Path(tmp) / "stub", TINY, args.tokenizer_dir)
         if not args.ceiling_only:
