@@ -16,11 +16,14 @@ Idea (vLLM v1's `OutputProcessor` and `RequestOutputCollector`):
 Invariants: a choice's deltas, concatenated, are its final text and token ids; nothing sent is
 ever withdrawn; `process` never blocks and never awaits; its cost per step grows with the
 step's tokens only, not with how long the requests have run or how far a client lags (this is
-the loop that bounds the server: the front-end ceiling in benchmarks/phase8_serving.py).
+the loop that bounds the server: the front-end ceiling in benchmarks/phase8_serving.py); a
+request whose text cannot be made (a bug, a blank exercise) fails alone, with an error, and is
+aborted in the core: it never leaves its client waiting.
 """
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,8 +45,12 @@ except ImportError:  # pragma: no cover - older tokenizers: phase 6's detokenize
     DecodeStream = None
 
 
+logger = logging.getLogger(__name__)
+
+
 class EngineStepError(RuntimeError):
-    """A step failed inside the engine core; the requests it held were aborted."""
+    """A step failed inside the engine core, or a request's text could not be made from its
+    tokens here; the requests it held were aborted."""
 
 
 class StreamDetokenizer:
@@ -248,7 +255,15 @@ class OutputProcessor:
                 state.collector.fail(EngineStepError(output.error))
                 continue
             first = state.num_output_tokens == 0
-            delta = state.update(output)
+            try:
+                delta = state.update(output)
+            except Exception as error:  # a bug in one request's text: fail it, never hang it
+                logger.exception("making request %s's text failed", output.request_id)
+                del self.states[output.request_id]
+                finished.append(state)
+                to_abort.append(output.request_id)  # its engine request would go on generating
+                state.collector.fail(EngineStepError(f"making the text failed: {error!r}"))
+                continue
             num_new_tokens += len(output.new_token_ids)
             num_step_tokens += len(output.new_token_ids) + (state.num_prompt_tokens if first else 0)
             self._observe(state, output, message.timestamp, now, gaps)

@@ -19,6 +19,7 @@ from phase8_serving.metrics import (
     cache_config_info,
 )
 from phase8_serving.output_processor import (
+    EngineStepError,
     OutputProcessor,
     RequestOutputCollector,
     RequestState,
@@ -201,3 +202,33 @@ def test_counted_histogram_renders_as_prometheus_clients_histogram():
                 if not s.name.endswith("_created")}  # fmt: skip
 
     assert samples(ours_registry) == pytest.approx(samples(theirs_registry))
+
+
+def test_a_request_whose_text_fails_fails_alone_and_is_aborted(llm):
+    """An exception making one request's text (a front-end bug, or a blank exercise 8.3) fails
+    that request with an error and asks the core to abort it; the request beside it goes on.
+    Before, the exception left the step's loop: both clients waited forever."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [1, 2, 3]
+    metrics = EngineMetrics("m", EngineStats, 128, cache_config_info(16, 8, 0, True))
+    processor = OutputProcessor(llm.get_tokenizer(), metrics)
+
+    class Broken(RequestState):
+        def update(self, output):
+            raise NotImplementedError("exercise 8.3")
+
+    collectors = {}
+    for request_id, kind in (("bad", Broken), ("good", RequestState)):
+        collectors[request_id] = RequestOutputCollector()
+        detokenizer = make_detokenizer(llm.get_tokenizer(), prompt, True)
+        processor.add(kind(request_id, 0, collectors[request_id], detokenizer, (), 0, len(prompt),
+                           params.max_tokens, 0))  # fmt: skip
+    outputs = [EngineCoreOutput(r, [42], None, None) for r in ("bad", "good")]
+    for output in outputs:
+        output.arrival_time = output.scheduled_time = 0.0
+    finished, to_abort = processor.process(StepOutputs(outputs, 0.0, EngineStats()))
+    assert to_abort == ["bad"] and [s.request_id for s in finished] == ["bad"]
+    with pytest.raises(EngineStepError, match="exercise 8.3"):
+        collectors["bad"].get_nowait()
+    assert collectors["good"].get_nowait()[0].token_ids == [42]
+    assert "bad" not in processor.states and "good" in processor.states
