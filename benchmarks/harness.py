@@ -16,6 +16,7 @@ tests/test_benchmarks_cli.py holds every script to it.
 """
 
 import argparse
+import enum
 import json
 import statistics
 import tempfile
@@ -151,8 +152,18 @@ def write_result(name: str, payload: dict, out: Path | None = None) -> Path:
     never into the repository."""
     path = (out or SCRATCH_DIR) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": name, **environment(), **payload}, indent=2) + "\n")
+    payload = {"benchmark": name, **environment(), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
     return path
+
+
+def _jsonable(value):
+    """What json cannot write itself: an engine config's enums (by value) and paths."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"a benchmark result holds a {type(value).__name__}, which JSON cannot hold")
 
 
 class Timer:

@@ -3,6 +3,7 @@
 where it means something), so that trying a script never overwrites a committed result."""
 
 import importlib
+import json
 import re
 from pathlib import Path
 
@@ -53,3 +54,18 @@ def test_a_quick_ladder_never_overwrites_the_full_one(tmp_path, monkeypatch):
         monkeypatch.setattr("sys.argv", ["phase_ladder", "--out", str(tmp_path), *quick])
         phase_ladder.main()
     assert names == ["phase_ladder_cpu", "phase_ladder_cpu_quick"]
+
+
+def test_a_result_holding_an_engine_config_is_written(tmp_path):
+    """benchmarks/phase6_qwen3.py records `dataclasses.asdict(llm.engine.config)`, whose
+    preemption mode is an Enum: json alone raised on it, after a run of many minutes."""
+    import dataclasses
+
+    from benchmarks.harness import write_result
+    from phase6_qwen3.config import EngineConfig
+
+    config = dataclasses.asdict(EngineConfig())
+    path = write_result("probe", {"engine_config": config, "model": tmp_path}, tmp_path)
+    written = json.loads(path.read_text())
+    assert written["engine_config"]["preemption_mode"] == config["preemption_mode"].value
+    assert written["model"] == str(tmp_path)
