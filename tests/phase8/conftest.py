@@ -14,11 +14,13 @@ import asyncio
 import concurrent.futures
 import json
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import uvicorn
@@ -165,3 +167,32 @@ def live_server(tiny_dir):
     finally:
         host.close()
         llm.shutdown()
+
+
+def wait_for_health(url: str, *processes: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Polls `url`/health until it answers 200; fails at once if one of `processes` (a server
+    started as a command, and whatever it needs) has exited, and after `timeout_s` (import +
+    load on a busy 2-core machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for process in processes:
+            if process.poll() is not None:
+                reason = process.stderr.read().decode() if process.stderr else ""
+                raise AssertionError(f"{process.args[:4]} exited ({process.returncode}): {reason}")
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    """An error in OpenAI's shape, with this status (and, if given, this `param`)."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error

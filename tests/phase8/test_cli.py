@@ -7,9 +7,7 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
@@ -20,6 +18,8 @@ from phase8_serving.cli import build_parser, chat, main
 from phase8_serving.config import EngineConfig, PreemptionMode
 from phase8_serving.engine_core import core_info
 from phase8_serving.serve import resolve_max_model_len
+
+from .conftest import wait_for_health
 
 SERVE_STARTUP_S = 120  # import + load on a busy 2-core machine
 
@@ -251,16 +251,7 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVE_STARTUP_S
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_for_health(url, server, timeout_s=SERVE_STARTUP_S)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True

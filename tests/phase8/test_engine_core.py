@@ -16,7 +16,7 @@ import pytest
 from phase8_serving.api_server import ServerConfig, build_app
 from phase8_serving.async_engine import AsyncLLM
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerHost, tiny_core_spec
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerHost, tiny_core_spec, wait_for_health
 from .engine_cores import SLOW_MARK
 
 STARTUP_S = 180  # two processes importing torch on a busy 2-core machine
@@ -109,16 +109,7 @@ def test_front_end_and_core_as_separate_commands_over_tcp(tiny_dir):
                               *engine], env=env, stderr=subprocess.PIPE)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert serve.poll() is None and core.poll() is None
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_for_health(url, serve, core, timeout_s=STARTUP_S)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         stream = client.completions.create(
             model="tiny", prompt="over tcp", max_tokens=4, stream=True, logprobs=0

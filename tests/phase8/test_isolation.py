@@ -17,7 +17,7 @@ import pytest
 from phase8_serving.api_server import ServerConfig, build_app
 from phase8_serving.core_messages import AddRequests
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, assert_openai_error
 from .engine_cores import SLOW_MARK
 
 MAX_STALL_S = 1.0  # the longest gap between two chunks of the bystander's stream
@@ -72,15 +72,6 @@ def strict_url(live_server):
     config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, max_request_body_bytes=BODY_LIMIT,
                           max_choices_per_request=CHOICE_LIMIT)  # fmt: skip
     return live_server.host.serve(build_app(live_server.llm, config))
-
-
-def assert_openai_error(response: httpx.Response, status: int, param=None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(live_server):

@@ -21,7 +21,7 @@ import pytest
 
 from phase8_serving.metrics import RequestTiming, build_1_2_5_buckets, finished_request_stats
 
-from .conftest import ENGINE, MODEL_NAME
+from .conftest import ENGINE, MODEL_NAME, assert_openai_error
 
 GREEDY = {"temperature": 0.0}
 MESSAGES = [{"role": "user", "content": "Hi!"}]
@@ -71,15 +71,6 @@ def chat(http: httpx.Client, **body) -> dict:
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def assert_still_serving(http: httpx.Client) -> None:

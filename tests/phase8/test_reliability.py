@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 
 from phase8_serving.api_server import ServerConfig, build_app
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, assert_openai_error
 from .engine_cores import FAULT_MARK, SLOW_MARK
 
 NUM_CONCURRENT_CLIENTS = 64
@@ -68,14 +68,6 @@ def http(live_server):
     with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
         yield c
     live_server.wait_until_idle(timeout=1.0)
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> None:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
 
 
 def assert_still_serving(http: httpx.Client) -> None:

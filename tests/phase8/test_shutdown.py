@@ -27,6 +27,7 @@ from phase8_serving.api_server import build_app
 from phase8_serving.cli import build_parser
 from phase8_serving.serve import SHUTDOWN_TICK_S, uvicorn_config
 
+from .conftest import wait_for_health
 from .engine_cores import SLOW_MARK
 
 LONG_MAX_TOKENS = 40  # >= 1.2 s at SLOW_STEP_S a token: far past the deadline below
@@ -122,7 +123,7 @@ def test_sigterm_stops_the_serve_command_at_the_deadline(tiny_dir):
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for_health(server, url)
+        wait_for_health(url, server, timeout_s=SERVE_STARTUP_S)
         (core,) = engine_core_pids(server.pid)
         body = {"prompt": ["a", "b", "c", "d"], "n": 16, "max_tokens": 100, "stream": True,
                 "ignore_eos": True}  # fmt: skip
@@ -141,19 +142,6 @@ def test_sigterm_stops_the_serve_command_at_the_deadline(tiny_dir):
     finally:
         server.kill()
         server.wait(timeout=30)
-
-
-def wait_for_health(server: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + SERVE_STARTUP_S
-    while True:
-        assert server.poll() is None, server.stderr.read().decode()
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
 
 
 def engine_core_pids(parent: int) -> list[int]:
