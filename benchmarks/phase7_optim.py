@@ -79,6 +79,9 @@ LEVERS = {  # ablation row: the engine settings of that row (one lever off, or a
 }
 PROFILE_BATCHES = (1, 64)
 PROFILE_STEPS = 4
+# --w-kernels: the steps of one W run that torch.profiler records (a whole run is ~300k kernels):
+# the prefill and mixed steps, then decode at the batch sizes W passes through on its way down
+W_KERNEL_WINDOWS = ((0, 12), (100, 120), (450, 470), (650, 670), (850, 870), (960, 980))
 
 
 def kv_bytes_per_token(c: dict) -> int:
@@ -319,6 +322,62 @@ def profile_decode_step(llm: phase7_optim.LLM, batch: int) -> dict:
     }
 
 
+def profile_w_kernels(llm: phase7_optim.LLM, workload: list[Request]) -> list[dict]:
+    """W once more, torch.profiler on during `W_KERNEL_WINDOWS`: per window the mean batch, the
+    GPU time per kernel kind, and how much of the window's span the GPU sat idle between kernels
+    (launch gaps, the host, a kernel's tail waiting for the next to start)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for r, sp in zip(workload, sampling(workload), strict=True):
+        engine.add_request(r.prompt_ids, sp, output_kind=RequestOutputKind.FINAL_ONLY)
+    windows, step = [], 0
+    for first, last in W_KERNEL_WINDOWS:
+        while step < first and engine.has_unfinished_requests():
+            engine.step()
+            step += 1
+        if not engine.has_unfinished_requests():
+            break
+        torch.cuda.synchronize()
+        batches = []
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            while step < last and engine.has_unfinished_requests():
+                batches.append(len(engine.scheduler.running))
+                engine.step()
+                step += 1
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        busy, reach = 0.0, float("-inf")
+        for start, end in spans:  # the union of kernel intervals
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        kinds: dict[str, dict] = {}
+        for e in kernels:
+            entry = kinds.setdefault(kernel_kind(e.name), {"launches": 0, "gpu_us": 0.0})
+            entry["launches"] += 1
+            entry["gpu_us"] += e.time_range.elapsed_us()
+        n = len(batches)
+        span = spans[-1][1] - spans[0][0]
+        windows.append({
+            "steps": [first, first + n], "mean_running": statistics.fmean(batches),
+            "span_us_per_step": span / n, "busy_us_per_step": busy / n,
+            "idle_share": 1 - busy / span,
+            "per_kind": {k: {"launches": v["launches"] / n, "gpu_us": v["gpu_us"] / n}
+                         for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["gpu_us"])},
+        })  # fmt: skip
+        w = windows[-1]
+        print(
+            f"W steps {first}-{first + n}: running {w['mean_running']:.0f}, "
+            f"{w['span_us_per_step']:.0f} us/step, GPU idle {w['idle_share']:.1%}",
+            flush=True,
+        )
+    while engine.has_unfinished_requests():
+        engine.step()
+    return windows
+
+
 def kernel_kind(name: str) -> str:
     """A kernel's name without template arguments and launch shapes: cuBLAS's many GEMM kernels
     are one kind ("cublas gemm"), each Triton kernel its own."""
@@ -474,6 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--levers", default=",".join(LEVERS), help="comma-separated ablation rows (LEVERS' keys)"
     )
+    parser.add_argument(
+        "--w-kernels-only",
+        action="store_true",
+        help="only W's kernels, per step window (phase7_w_kernels.json): where the GPU time goes",
+    )
     return parser
 
 
@@ -489,6 +553,13 @@ def main():
     kv_per_token = kv_bytes_per_token(QWEN3_0_6B)
     result = {}
     levers = {name: LEVERS[name] for name in args.levers.split(",")}
+    if args.w_kernels_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            llm = make_llm(save_checkpoint(Path(tmp), qwen3_tokenizer_dir()), w)
+            result["phase7_w"] = throughput(llm, w)
+            result["windows"] = profile_w_kernels(llm, w)
+        write_result("phase7_w_kernels", result, args.out)
+        return
     if args.ablation_only:
         result["workload"] = {"w": f"{len(w)} requests of workload W", "quick": args.quick}
 

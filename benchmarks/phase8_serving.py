@@ -18,7 +18,8 @@ prompts share nothing, and W is served several times by one server):
    more about the front end (or the client) than about the engine.
 The JSON carries `served_over_offline` (streaming saturation / offline; goal >= 0.85) and
 `defaults_over_tuned` (goal >= 0.90), and for every served run the client's CPU share (process
-time / wall time: near 1.0 would mean the client, not the server, was the bound).
+time / wall time: near 1.0 would mean the client, not the server, was the bound) and the
+server's, per process (`server_cpu_share`: the API server and the engine core; Linux only).
 
 The client is an independent asyncio HTTP client in this process (aiohttp where installed, else
 httpx), one connection per request, reading SSE lines without parsing every chunk's JSON.
@@ -36,6 +37,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import random
 import shutil
 import socket
@@ -169,6 +171,32 @@ def start_server(command: list[str]) -> tuple[subprocess.Popen, str]:
             stop_server(process)
             raise TimeoutError(f"the server did not start: {command}")
         time.sleep(0.5)
+
+
+def server_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds so far of the server's processes (Linux /proc; {} elsewhere): the API server
+    (`root`) and its engine core(s), the spawned children other than multiprocessing's helper."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    parents, cpu = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # a process that ended meanwhile
+            continue
+        pid = int(stat.parent.name)
+        parents[pid] = int(fields[1])
+        if b"resource_tracker" not in cmdline:
+            cpu[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    seconds: dict[str, float] = {}
+    for pid, used in cpu.items():
+        ancestor = pid
+        while ancestor not in (root, 0, 1) and ancestor in parents:
+            ancestor = parents[ancestor]
+        if ancestor == root:
+            role = "api_server" if pid == root else "engine_core"
+            seconds[role] = seconds.get(role, 0.0) + used
+    return seconds
 
 
 def stop_server(process: subprocess.Popen) -> None:
@@ -313,10 +341,17 @@ def serve_runs(command: list[str], workload, runs: list[tuple[bool, float]],
     try:
         out = []
         for (stream, rate), watched in zip(runs, watch or [False] * len(runs), strict=True):
+            before = server_cpu_seconds(process.pid)
             result = asyncio.run(_load(url, workload, stream, rate, watched))
+            after = server_cpu_seconds(process.pid)
+            # the server's own CPU shares: near 1.0 for one of them says which process bounds it
+            result["server_cpu_share"] = {
+                role: (after[role] - before.get(role, 0.0)) / result["seconds"] for role in after
+            }
+            shares = ", ".join(f"{k} {v:.0%}" for k, v in result["server_cpu_share"].items())
             print(f"  stream={stream} rate={rate} dashboard={'open' if watched else 'closed'}: "
                   f"{result['output_tok_s']:,.0f} output tok/s, "
-                  f"client CPU {result['client_cpu_share']:.0%}")  # fmt: skip
+                  f"client CPU {result['client_cpu_share']:.0%}, server CPU {shares}")  # fmt: skip
             out.append(result)
         return out
     finally:
