@@ -172,7 +172,7 @@ class StepInputs:
         self.copied.record()
 
     def forward_batch(
-        self, num_seqs, num_tokens, num_sampled, max_query_len, max_seq_len, width
+        self, num_seqs, num_tokens, num_sampled, max_query_len, max_seq_len, width, num_decodes
     ) -> ForwardBatch:
         """The `ForwardBatch` of a step of this size: views of the device buffers."""
         return ForwardBatch(
@@ -184,6 +184,7 @@ class StepInputs:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             block_size=self.block_size,
+            num_decodes=num_decodes,
         )
 
 
@@ -198,13 +199,17 @@ class Command(enum.IntEnum):
 # The header: command, then these (graph bucket 0: an eager step; the maxima and the width are
 # an eager step's, 0 for a replay).
 HEADER_FIELDS = ("graph_batch_size", "num_seqs", "num_tokens", "num_sampled", "max_query_len",
-                 "max_seq_len", "width")  # fmt: skip
+                 "max_seq_len", "width", "num_decodes")  # fmt: skip
 
 
 def send_step(inputs: StepInputs, step: PreparedStep) -> None:
     """Rank 0: broadcast a prepared step (already in its device buffers) to the other ranks."""
     b = step.batch
-    eager = (0, 0, 0) if b is None else (b.max_query_len, b.max_seq_len, b.block_tables.shape[1])
+    eager = (
+        (0, 0, 0, 0)
+        if b is None
+        else (b.max_query_len, b.max_seq_len, b.block_tables.shape[1], b.num_decodes)
+    )
     values = (step.graph_batch_size or 0, step.num_seqs, step.num_tokens, step.num_sampled, *eager)
     header = torch.tensor((Command.STEP, *values), dtype=torch.long)
     if inputs.on_gpu:  # NCCL sends device tensors; pinned, the copy neither blocks nor syncs
@@ -231,7 +236,9 @@ def receive_step(inputs: StepInputs) -> PreparedStep | None:
     graph_batch_size = h["graph_batch_size"] or None
     batch = None  # views: they are right before the buffers are filled
     if graph_batch_size is None:
-        batch = inputs.forward_batch(*sizes, h["max_query_len"], h["max_seq_len"], h["width"])
+        batch = inputs.forward_batch(
+            *sizes, h["max_query_len"], h["max_seq_len"], h["width"], h["num_decodes"]
+        )
     step = PreparedStep(*sizes, graph_batch_size, batch, samples=None)
     _broadcast_buffers(inputs, step)
     return step

@@ -206,7 +206,11 @@ class ModelRunner:
         inp.prev_sampled_rows[: len(fed)] = fed_rows
         batch = None
         if graph_batch_size is None:
-            batch = inp.forward_batch(S, N, num_sampled, int(num_new.max()), int(ends.max()), width)
+            ones = num_new == 1  # the leading ones are the decodes the decode kernel takes
+            num_decodes = S if ones.all() else int(ones.argmin())
+            batch = inp.forward_batch(
+                S, N, num_sampled, int(num_new.max()), int(ends.max()), width, num_decodes
+            )
         prev_sampled = previous.device if fed else None
         step = PreparedStep(S, N, num_sampled, graph_batch_size, batch, samples, len(fed),
                             prev_sampled)  # fmt: skip
@@ -232,7 +236,7 @@ class ModelRunner:
         inp = self.inputs
         # full block-table width: any context fits the replay
         batch = inp.forward_batch(rows, rows, rows, 1, self.max_blocks * self.block_size,
-                                  self.max_blocks)  # fmt: skip
+                                  self.max_blocks, rows)  # fmt: skip
         ids, positions = inp.input_ids_d[:rows], inp.positions_d[:rows]
         if rows <= self.lm_head_graph_max_batch:
             return self.model(ids, positions, batch, self.kv_cache)

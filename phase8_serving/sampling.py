@@ -283,12 +283,13 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
     for row, generator in batch.seeded:  # only seeded rows loop: one launch each
         noise[row].exponential_(generator=generator)
-    noise.clamp_min_(TINY)
     if logits.is_cuda and not (batch.any_min_p or batch.any_top_k_top_p):
-        # no filter needs the probabilities: one pass over logits and noise (kernels/sampling.py)
+        # no filter needs the probabilities: one pass over logits and noise (kernels/sampling.py),
+        # which also clamps the noise
         from .kernels.sampling import exponential_race  # here: CPU-only installs may lack Triton
 
         return exponential_race(logits, noise, 1.0 / batch.temperature, batch.greedy)
+    noise.clamp_min_(TINY)
     logits = logits.float()
     greedy_tokens = logits.argmax(dim=-1)
     probs = torch.softmax(logits / batch.temperature[:, None], dim=-1)

@@ -145,6 +145,7 @@ def flash_attn_varlen_paged(
     max_query_len: int,
     scale: float,
     config: PrefillConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries `q` `[T, H, D]` over their paged contexts.
 
@@ -152,7 +153,8 @@ def flash_attn_varlen_paged(
     seq_lens: int32 `[num_seqs]`, context length including the new tokens.
     block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
     max_query_len: the longest q_len (a host int, so the launch needs no device sync).
-    Returns `[T, H, D]` in q's dtype.
+    out: where to write (q's shape and dtype; rows of `q` that no sequence covers are left as
+    they are), else a new tensor. Returns it.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -163,7 +165,8 @@ def flash_attn_varlen_paged(
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     config = config or default_prefill_config(head_dim, q.device)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_tokens == 0:
         return out
     grid = (triton.cdiv(max_query_len, config.block_m), num_heads, num_seqs)

@@ -211,6 +211,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[num_seqs, H, D]`, over its paged context.
 
@@ -218,7 +219,7 @@ def paged_decode_attention(
     block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
     num_splits: None picks one from the batch and `max_blocks_per_seq * block_size` (an upper
     bound on the context read without a device sync).
-    Returns `[num_seqs, H, D]` in q's dtype.
+    out: where to write (q's shape and dtype), else a new tensor. Returns it.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -237,7 +238,8 @@ def paged_decode_attention(
         )
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms, config)
 
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_seqs == 0:
         return out
     direct = num_splits == 1 and config.direct_single_split

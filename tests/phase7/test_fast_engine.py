@@ -142,6 +142,26 @@ def test_kernel_backed_engine_equals_torch_path(tiny_qwen3_tied_dir, engine_kwar
     assert actual == expected
 
 
+def test_a_mixed_step_counts_its_leading_decodes(tiny_qwen3_tied_dir, monkeypatch):
+    """ForwardBatch.num_decodes (what TritonAttention sends to the decode kernel) is the number
+    of sequences before the first one with several new tokens, in every eager step."""
+    seen = []
+    attend = TorchAttention.attend
+
+    def spy(self, q, k_cache, v_cache, batch, kernels):
+        q_lens = batch.query_start_loc.diff().tolist()
+        seen.append((batch.num_decodes, q_lens))
+        return attend(self, q, k_cache, v_cache, batch, kernels)
+
+    monkeypatch.setattr(TorchAttention, "attend", spy)
+    llm = LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu", max_num_batched_tokens=8)
+    llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for num_decodes, q_lens in seen:
+        leading = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+        assert num_decodes == leading, q_lens
+    assert any(0 < d < len(q_lens) for d, q_lens in seen)  # decodes beside a prompt chunk
+
+
 # --- host path ---------------------------------------------------------------------------------
 
 

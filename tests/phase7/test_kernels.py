@@ -262,6 +262,37 @@ def test_paged_decode_padded_row_reads_nothing(num_splits):
     assert torch.equal(out[[0, 2]], expected[[0, 2]])
 
 
+@interpreter
+def test_a_mixed_step_sends_its_leading_decodes_to_the_decode_kernel(monkeypatch):
+    """Decodes first, then prompt chunks (one of them a single token): the decode kernel takes
+    exactly the leading decodes, the prefill kernel the rest, and together they equal the
+    reference, as with every sequence through the prefill kernel (num_decodes 0)."""
+    from phase7_optim import kernels
+    from phase7_optim.attention import ForwardBatch, TritonAttention
+    from phase7_optim.config import KernelConfig
+
+    q_lens, contexts = [1, 1, 1, 7, 1, 12], [40, 0, 17, 20, 9, 0]
+    b = make_paged_batch(q_lens, contexts, 4, 2, 32, 16, torch.float32, CPU)
+    args = (b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables)
+    expected = varlen_paged_attention_ref(*args, b.scale)
+    decoded, decode = [], kernels.paged_decode_attention
+
+    def spy(q, *args, **kwargs):
+        decoded.append(q.shape[0])
+        return decode(q, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", spy)
+    for num_decodes in (3, 0):
+        batch = ForwardBatch(
+            b.query_start_loc, b.seq_lens, torch.zeros(0), b.block_tables,
+            b.query_start_loc[1:] - 1, b.max_query_len, max(b.seq_lens.tolist()), 16,
+            num_decodes=num_decodes,
+        )  # fmt: skip
+        out = TritonAttention().attend(b.q, b.k_cache, b.v_cache, batch, KernelConfig())
+        assert_allclose(out, expected)
+    assert decoded == [3]  # the first pass only, with its three decodes
+
+
 def test_choose_num_splits_fills_the_gpu_without_tiny_splits():
     assert choose_num_splits(256, 8, 2048, num_sms=132) == 1  # the batch alone fills the SMs
     assert choose_num_splits(8, 8, 8192, num_sms=132) == 9  # a few long sequences: split

@@ -117,20 +117,28 @@ def test_no_sort_unless_a_row_needs_top_k_or_top_p():
 )
 def test_exponential_race_kernel_is_the_torch_formula():
     """kernels/sampling.py (what CUDA runs without filters) = argmax(logits / T - log E), and
-    the exact argmax on greedy rows, ties to the lowest id."""
+    the exact argmax on greedy rows, ties to the lowest id, across the programs a row is split
+    over too; the noise is clamped inside the pass."""
     pytest.importorskip("triton")
     from phase7_optim.kernels.sampling import exponential_race
 
     torch.manual_seed(5)
-    rows, vocab = 6, 5000  # three vocabulary blocks, the last one masked
+    rows, vocab, block = 7, 5000, 1024  # five chunks a row, the last one masked
     logits = torch.randn(rows, vocab) * 3
-    logits[2, [10, 4000]] = 50.0  # a greedy tie across blocks: token 10, as torch.argmax
-    noise = torch.empty(rows, vocab).exponential_().clamp_min_(TINY)
-    temperature = torch.tensor([1.0, 0.5, 1.0, 2.0, 1.0, 0.25])  # exact reciprocals
-    greedy = torch.tensor([False, False, True, False, True, False])
-    sampled = (logits / temperature[:, None] - noise.log()).argmax(dim=-1)
-    expected = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    assert torch.equal(exponential_race(logits, noise, 1.0 / temperature, greedy), expected)
+    logits[2, [10, 4000]] = 50.0  # a greedy tie across chunks: token 10, as torch.argmax
+    logits[4, [3000, 3001]] = 50.0  # a tie inside one chunk
+    logits[6] = float("nan")  # a broken row gets a token of the vocabulary, never V
+    noise = torch.empty(rows, vocab).exponential_()
+    noise[1, [7, 8]] = 0.0  # unclamped, as torch hands it over: the pass clamps it to TINY,
+    logits[1, [7, 8]] = torch.tensor([1.0, 2.0])  # so the larger logit wins (not two +inf)
+    temperature = torch.tensor([1.0, 0.5, 1.0, 2.0, 1.0, 0.25, 1.0])  # exact reciprocals
+    greedy = torch.tensor([False, False, True, False, True, False, True])
+    scores = logits / temperature[:, None] - noise.clamp_min(TINY).log()
+    expected = torch.where(greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
+    expected[6] = 0
+    got = exponential_race(logits, noise, 1.0 / temperature, greedy, block=block)
+    assert got.tolist() == expected.tolist()
+    assert got[1] == 8 and got[2] == 10 and got[4] == 3000  # tiny noise wins its row
 
 
 @pytest.mark.gpu
