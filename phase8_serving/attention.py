@@ -210,10 +210,8 @@ class TritonAttention:
     def __init__(self):
         # Imported here, not at the top: CPU-only installs (macOS, Windows) may have no Triton.
         from . import kernels
-        from .kernels.paged_decode import SplitCounters
 
         self.kernels = kernels
-        self.split_counters = SplitCounters()  # the decode kernel's merge, shared by all layers
 
     def store(self, k, v, k_cache, v_cache, batch: ForwardBatch) -> None:
         self.kernels.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -221,12 +219,10 @@ class TritonAttention:
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         scale = q.shape[-1] ** -0.5
         config = self.kernels.default_decode_config(q.device, kernels.tune_decode_attention)
-        counters = self.split_counters.get(q.device)
         if batch.max_query_len == 1:  # decode-only step: one query per sequence
             return self.kernels.paged_decode_attention(
-                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, config=config,
-                split_counters=counters,
-            )  # fmt: skip
+                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, config=config
+            )
         # A mixed step: its leading decodes (tokens 0 … d - 1) go to the decode kernel. In the
         # prefill kernel a decode fills one row of each head's BLOCK_M-row tile and reads its
         # whole context in one program: W's first steps (prompts beside up to 230 decodes) spent
@@ -235,7 +231,7 @@ class TritonAttention:
         if d:
             self.kernels.paged_decode_attention(
                 q[:d], k_cache, v_cache, batch.seq_lens[:d], batch.block_tables[:d], scale,
-                config=config, out=out[:d], split_counters=counters,
+                config=config, out=out[:d],
             )  # fmt: skip
         return self.kernels.flash_attn_varlen_paged(  # offsets stay absolute: rows d … N - 1
             q, k_cache, v_cache, batch.query_start_loc[d:], batch.seq_lens[d:],

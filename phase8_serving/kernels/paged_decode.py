@@ -15,10 +15,6 @@ Idea (vLLM's PagedAttention v2, FlashDecoding):
   output and log-sum-exp; a second, tiny kernel merges the splits with weights exp2(lse - max).
   `num_splits` comes from a heuristic that aims for a few programs per SM without host syncs.
   With a single split the program normalizes and stores the output itself: no merge launch.
-  With several, `merge_in_last_split` folds the merge into the split kernel: each program counts
-  itself done on an atomic counter per (sequence, KV head), and the last one to finish merges
-  its group's heads (the partials are still in L2), so a decode layer is one launch, not two;
-  the merge kernel alone cost 3-5 µs a layer on an H200, ~2% of W's decode steps.
 - the key loop is `attn_tiles` (online_softmax.py), the prefill kernel's loop, with this
   kernel's rows being the query heads of one KV head.
 
@@ -34,10 +30,6 @@ Invariants:
   spreads a short one over all its splits; a split past the end of a sequence (one shorter than
   num_splits key tiles) is empty, writes lse = -inf and gets weight 0.
 - lse is in log2 units, like the scores (scale is pre-multiplied by log2(e)).
-- the split counters are 0 before a launch and after it: the merging program resets its own, so
-  a CUDA graph can replay the kernel without zeroing them. A program publishes its partials
-  before it counts itself done (a barrier, then the atomic add's release) and the merging
-  program reads them after its count (acquire) and around L1 (`.cg`), so it sees every split's.
 """
 
 from dataclasses import dataclass
@@ -64,7 +56,6 @@ class DecodeConfig:
     programs_per_sm: int = 4  # how many programs the split heuristic aims at per SM
     min_tokens_per_split: int = 256  # below this a split's partial-output traffic stops paying
     direct_single_split: bool = False  # one split: store the output, skip the merge kernel
-    merge_in_last_split: bool = False  # several: the last split to finish merges (no 2nd kernel)
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n != triton.next_power_of_2(self.block_n):
@@ -82,32 +73,14 @@ BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 # tile overall. Batch 8 loses (33 splits are too many for its contexts).
 TUNED_DECODE_CONFIG = DecodeConfig(
     block_n=64, num_warps=4, num_stages=3, programs_per_sm=16, min_tokens_per_split=64,
-    direct_single_split=True, merge_in_last_split=True,
+    direct_single_split=True,
 )  # fmt: skip
 
 
 def default_decode_config(device: torch.device, tuned: bool = True) -> DecodeConfig:
     if device.type != "cuda":  # the interpreter: small tiles keep the CPU tests quick
-        return DecodeConfig(
-            block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned,
-            merge_in_last_split=tuned,
-        )  # fmt: skip
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned)
     return TUNED_DECODE_CONFIG if tuned else BASELINE_DECODE_CONFIG
-
-
-class SplitCounters:
-    """One zeroed counter buffer for every decode launch on a device: the kernel leaves it zero,
-    so every layer, step and CUDA graph shares it, and no launch needs a memset first. Made on
-    first use and never replaced, so a captured graph keeps pointing at live memory."""
-
-    def __init__(self, capacity: int = 1 << 16):  # (sequence, KV head) pairs: 8,192 x 8
-        self.capacity = capacity
-        self.buffer: torch.Tensor | None = None
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.zeros(self.capacity, dtype=torch.int32, device=device)
-        return self.buffer
 
 
 def choose_num_splits(
@@ -129,8 +102,6 @@ def _paged_decode_split_kernel(
     block_tables_ptr,
     part_out_ptr,
     part_lse_ptr,
-    out_ptr,
-    split_counters_ptr,
     qk_scale,
     stride_qs,
     stride_qh,
@@ -146,16 +117,12 @@ def _paged_decode_split_kernel(
     stride_pop,
     stride_lses,
     stride_lseh,
-    stride_os,
-    stride_oh,
     QUERY_GROUP_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: part_out_ptr is the output, (seq, head) rows, its dtype
-    MERGE: tl.constexpr,  # several: the last split of (seq, kv_head) to finish merges into out
-    BLOCK_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -196,57 +163,9 @@ def _paged_decode_split_kernel(
         tl.store(part_ptrs, out, mask=head_mask)
         lse_ptrs = part_lse_ptr + seq * stride_lses + heads * stride_lseh + split
         tl.store(lse_ptrs, lse, mask=offs_h < QUERY_GROUP_SIZE)
-        if MERGE:
-            tl.debug_barrier()  # every thread's partials are written before the count below
-            counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-                tl.store(counter, 0)  # the last split: ready for the next launch
-                for h in tl.static_range(QUERY_GROUP_SIZE):
-                    merge_splits(
-                        part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head * QUERY_GROUP_SIZE + h,
-                        tl.num_programs(2), stride_pos, stride_poh, stride_pop, stride_lses,
-                        stride_lseh, stride_os, stride_oh, HEAD_DIM, BLOCK_SPLITS,
-                    )  # fmt: skip
 
 
 # exercise 7.2: merging split-K partial results
-@triton.jit
-def merge_splits(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    seq,
-    head,
-    num_splits,
-    stride_pos,
-    stride_poh,
-    stride_pop,
-    stride_lses,
-    stride_lseh,
-    stride_os,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-):
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_mask = offs_s < num_splits
-    lse_ptrs = part_lse_ptr + seq * stride_lses + head * stride_lseh + offs_s
-    # .cg: through L2, never a stale L1 line (the merging program may not be the writer)
-    lse = tl.load(lse_ptrs, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.max(lse, 0)
-    # a padded row (seq_len 0) has only empty splits: every weight 0, output 0, never NaN
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.math.exp2(lse - lse_max)  # an empty split: exp2(-inf) = 0
-    part_ptrs = part_out_ptr + seq.to(tl.int64) * stride_pos + head * stride_poh
-    part_ptrs += offs_s[:, None] * stride_pop + offs_d[None, :]
-    parts = tl.load(part_ptrs, mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
-    weight_sum = tl.sum(weight, 0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(weight_sum > 0, weight_sum, 1.0)
-    out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
-
-
 @triton.jit
 def _paged_decode_reduce_kernel(
     part_out_ptr,
@@ -263,11 +182,24 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
 ):
-    merge_splits(
-        part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1), num_splits,
-        stride_pos, stride_poh, stride_pop, stride_lses, stride_lseh, stride_os, stride_oh,
-        HEAD_DIM, BLOCK_SPLITS,
-    )  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_mask = offs_s < num_splits
+    lse_ptrs = part_lse_ptr + seq * stride_lses + head * stride_lseh + offs_s
+    lse = tl.load(lse_ptrs, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # a padded row (seq_len 0) has only empty splits: every weight 0, output 0, never NaN
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.math.exp2(lse - lse_max)  # an empty split: exp2(-inf) = 0
+    part_ptrs = part_out_ptr + seq.to(tl.int64) * stride_pos + head * stride_poh
+    part_ptrs += offs_s[:, None] * stride_pop + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=split_mask[:, None], other=0.0)  # (BLOCK_SPLITS, HEAD_DIM)
+    weight_sum = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(weight_sum > 0, weight_sum, 1.0)
+    out_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention(
@@ -280,7 +212,6 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[num_seqs, H, D]`, over its paged context.
 
@@ -289,8 +220,6 @@ def paged_decode_attention(
     num_splits: None picks one from the batch and `max_blocks_per_seq * block_size` (an upper
     bound on the context read without a device sync).
     out: where to write (q's shape and dtype), else a new tensor. Returns it.
-    split_counters: int32, zero, at least num_seqs * H_kv long (`SplitCounters`): what the merge
-    in the last split counts on; None zeroes new ones (a memset launch).
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -314,18 +243,14 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     direct = num_splits == 1 and config.direct_single_split
-    merge = num_splits > 1 and config.merge_in_last_split
     if direct:  # the split kernel's (seq, head, split) rows are the output's (seq, head) rows
         part_out, part_lse = out.unsqueeze(2), out.new_empty(1, 1, dtype=torch.float32)
     else:
         part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
         part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
-    counters = split_counters
-    if counters is None or counters.numel() < num_seqs * num_kv_heads:
-        counters = q.new_zeros(num_seqs * num_kv_heads if merge else 1, dtype=torch.int32)
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, out, counters,
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse,
         scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -333,19 +258,16 @@ def paged_decode_attention(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
         QUERY_GROUP_SIZE=group,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         DIRECT=direct,
-        MERGE=merge,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    if direct or merge:
+    if direct:
         return out
     _paged_decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, num_splits,

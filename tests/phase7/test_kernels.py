@@ -263,31 +263,6 @@ def test_paged_decode_padded_row_reads_nothing(num_splits):
 
 
 @interpreter
-def test_the_last_split_merges_and_leaves_the_counters_zero(monkeypatch):
-    """merge_in_last_split: no merge kernel is launched, the output is the reference's, and
-    the shared counters are zero again after each launch, so the next launch (another layer,
-    another step, a graph replay) can use them as they are."""
-    from phase7_optim.kernels import paged_decode
-    from phase7_optim.kernels.paged_decode import SplitCounters
-
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("the merge kernel was launched")
-
-    monkeypatch.setattr(paged_decode, "_paged_decode_reduce_kernel", NoLaunch())
-    counters = SplitCounters(capacity=64).get(CPU)
-    config = DecodeConfig(block_n=32, num_warps=4, num_stages=1, merge_in_last_split=True)
-    for seed, num_splits in ((0, 3), (1, 8)):  # 8: empty splits past short sequences' end
-        b = make_paged_batch([1] * 4, [0, 36, 99, 150], 4, 2, 32, 16, torch.float32, CPU, seed)
-        args = (b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, b.scale)
-        out = paged_decode_attention(
-            *args, num_splits=num_splits, config=config, split_counters=counters
-        )
-        assert_allclose(out, paged_decode_attention_ref(*args))
-        assert counters.count_nonzero() == 0
-
-
-@interpreter
 def test_a_mixed_step_sends_its_leading_decodes_to_the_decode_kernel(monkeypatch):
     """Decodes first, then prompt chunks (one of them a single token): the decode kernel takes
     exactly the leading decodes, the prefill kernel the rest, and together they equal the
