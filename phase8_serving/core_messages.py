@@ -43,7 +43,7 @@ class Message(msgspec.Struct, tag=True, array_like=True):
     """A message of either direction: a msgpack array led by its class name (the tag)."""
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True):
+class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -97,8 +97,9 @@ class CoreInfo(Message):
     enable_prefix_caching: bool
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's news from one step."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's news from one step. Untracked by the garbage collector (`gc=False`: it
+    holds no cycles), so the hundreds made every step set off no collections."""
 
     request_id: str
     new_token_ids: list[int]

@@ -232,6 +232,11 @@ class CompletionRequest(SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def has_token_ids(self) -> bool:
+        """The prompt is token ids (one list or several), not text."""
+        return not isinstance(self.prompt, str) and not isinstance(self.prompt[0], str)
+
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: its text, or its token ids."""
         p = self.prompt

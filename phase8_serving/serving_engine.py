@@ -37,7 +37,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .async_engine import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
-from .protocol import ChatCompletionRequest, InvalidRequest, SamplingRequest, error_body
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    SamplingRequest,
+    error_body,
+)
 from .responses import (
     ChoiceStream,
     chat_chunk,
@@ -232,7 +238,9 @@ def _sse(payload: dict) -> bytes:
 def check_no_lone_surrogate(body: SamplingRequest) -> None:
     """A lone UTF-16 surrogate ("\\ud800" in JSON) is valid JSON but no text: nothing can encode
     it (the tokenizer, the reply), so it is refused up front, naming where it was."""
-    where = _lone_surrogate(body.model_dump(exclude_defaults=True), "")
+    # token ids hold no text: a prompt of thousands of them is neither copied nor walked
+    skip = {"prompt"} if isinstance(body, CompletionRequest) and body.has_token_ids else None
+    where = _lone_surrogate(body.model_dump(exclude_defaults=True, exclude=skip), "")
     if where is not None:
         raise InvalidRequest(f"{where or 'body'}: contains a lone surrogate (not valid Unicode)",
                              where.split(".")[0] or None)  # fmt: skip
