@@ -80,7 +80,8 @@ async def frozen_startup_heap(app: FastAPI):
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="mini-vllm", summary="OpenAI-compatible server",
-                  default_response_class=FastJSONResponse, lifespan=frozen_startup_heap)  # fmt: skip
+                  default_response_class=FastJSONResponse,
+                  lifespan=frozen_startup_heap)  # fmt: skip
     server = OpenAIServing(llm, config)
     _install_error_handlers(app, config)
 

@@ -59,8 +59,8 @@ A server streams, so its
 requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). The server calls
 `abort_request` when a client goes away (the request's blocks are freed at once, or once the step
 computing it on the device is done). The server's engine core process (engine_core.py) asks for
-`DELTA_TOKEN_IDS`: each step's new token ids and no text at all (a `TokenIdsOutput`), because its
-front end detokenizes and finds stop strings in another process. `min_tokens` (vLLM's rule): before that
+`DELTA_TOKEN_IDS`: each step's new token ids and no text at all, because its front end
+detokenizes and finds stop strings in another process. `min_tokens` (vLLM's rule): before that
 many tokens, EOS and stop tokens cannot be sampled (model_runner.py) nor end the request, and a
 stop string counts only if it ends in text of a later token. Token ids a request names (stop
 tokens, logit bias) must be in the vocabulary, or `add_request` refuses it. None of this makes
