@@ -218,3 +218,46 @@ def test_a_client_hang_up_is_one_log_line(live_server, caplog):
     left = [r for r in caplog.records if "disconnected" in r.getMessage()]
     assert len(left) == 2, [r.getMessage() for r in caplog.records]
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+# -- what admitting a long token-id prompt costs ----------------------------------------------
+
+
+LONG_IDS = list(range(5000))
+
+
+def test_a_token_id_prompt_is_validated_as_token_ids_only():
+    """The prompt's shape is read from its first item and validated as that shape alone: a bad
+    id in 5,000 is one error, not the 5,000 of a failed try as a list of strings (the cost of a
+    W prompt's validation, three quarters of it, before)."""
+    from pydantic import ValidationError
+
+    from phase8_serving.protocol import CompletionRequest
+
+    assert CompletionRequest.model_validate({"prompt": LONG_IDS}).prompts() == [LONG_IDS]
+    with pytest.raises(ValidationError) as error:
+        CompletionRequest.model_validate({"prompt": [*LONG_IDS, "x"]})
+    assert [e["loc"] for e in error.value.errors()] == [("prompt", "ids", 5000)]
+    for prompt in ("hi", ["a", "b"], [[1], [2, 3]]):
+        assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt
+
+
+def test_a_token_id_prompt_is_not_walked_for_lone_surrogates(monkeypatch):
+    """Token ids hold no text: the surrogate check neither copies nor walks 5,000 of them; the
+    body's strings are still looked at."""
+    from phase8_serving import serving_engine
+    from phase8_serving.protocol import CompletionRequest, InvalidRequest
+
+    walked = []
+
+    def spy(value, path):
+        walked.append(value)
+        return unspied(value, path)
+
+    unspied = serving_engine._lone_surrogate
+    monkeypatch.setattr(serving_engine, "_lone_surrogate", spy)
+    serving_engine.check_no_lone_surrogate(CompletionRequest(prompt=LONG_IDS, user="u"))
+    assert "prompt" not in walked[0] and "u" in walked
+    for body in ({"prompt": LONG_IDS, "user": "\udc00"}, {"prompt": "hi", "model": "m\ud800"}):
+        with pytest.raises(InvalidRequest, match="lone surrogate"):
+            serving_engine.check_no_lone_surrogate(CompletionRequest(**body))
