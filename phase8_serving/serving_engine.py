@@ -115,7 +115,10 @@ class OpenAIServing:
                 f"allows {self.config.max_choices_per_request} (--max-choices-per-request).",
                 "n" if chat else "prompt",
             )
-        prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
+        if isinstance(body, CompletionRequest) and body.has_token_ids:
+            prompts = self._prompt_token_ids(body)  # nothing to tokenize: no hop to a thread
+        else:
+            prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = await self._open(request_id, body, prompts)
         if self.config.enable_log_requests:
@@ -139,7 +142,8 @@ class OpenAIServing:
         return FastJSONResponse(build(meta, choices, usage(prompts, choices)))
 
     def _prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
-        """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input."""
+        """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input
+        (token ids alone are checked on the event loop: a hop to a thread cost more)."""
         tok = self.tokenizer
         if isinstance(body, ChatCompletionRequest):
             messages = [m.for_template() for m in body.messages]
