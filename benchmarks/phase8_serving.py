@@ -29,11 +29,14 @@ Run (CUDA machine, ~6 min): python -m benchmarks.phase8_serving [--out DIR]
 `--ceiling-only`: 4. alone, W-sized (it needs no GPU: to profile the front end on any machine);
 writes phase8_serving_ceiling.json. `--dashboard-only PAIRS`: the dashboard's cost alone, with
 more alternating runs than the full run's 2 + 2 (the tuned server; phase8_serving_dashboard.json).
+`--admission-only LOADS`: admission alone, on any machine: W's prompts with `max_tokens` 1
+through the stub server LOADS times, the server's CPU per request (phase8_serving_admission.json).
 """
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -399,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dashboard-only", type=int, metavar="PAIRS", default=0,
                         help="only the dashboard's cost: the tuned server, W streamed PAIRS times "
                         "with no page open and PAIRS times with one, alternately")  # fmt: skip
+    parser.add_argument("--admission-only", type=int, metavar="LOADS", default=0,
+                        help="only admission: W's prompts with max_tokens 1 through the stub "
+                        "server LOADS times; the server's CPU per request")  # fmt: skip
     parser.add_argument("--serve-stub", nargs=2, metavar=("CHECKPOINT", "PORT"),
                         help=argparse.SUPPRESS)  # fmt: skip
     return parser
@@ -424,6 +430,23 @@ def run_ceiling(stub: Path, workload: list[Request], quick: bool) -> dict:
                "PORT"] + (["--quick"] if quick else [])  # fmt: skip
     (ceiling,) = serve_runs(command, workload, [(True, math.inf)])
     return ceiling
+
+
+def run_admission(stub: Path, workload: list[Request], quick: bool, loads: int) -> dict:
+    """What admitting the workload costs the server: its prompts with max_tokens 1 through the
+    stub server, `loads` times (one server); the CPU milliseconds per request of each process."""
+    print("admission (stub runner, max_tokens 1) ...")
+    one_token = [dataclasses.replace(r, max_tokens=1) for r in workload]
+    command = [sys.executable, "-m", "benchmarks.phase8_serving", "--serve-stub", str(stub),
+               "PORT"] + (["--quick"] if quick else [])  # fmt: skip
+    results = serve_runs(command, one_token, [(True, math.inf)] * loads)
+    per_request = {
+        role: [r["server_cpu_share"][role] * r["seconds"] / len(one_token) * 1000 for r in results]
+        for role in results[0]["server_cpu_share"]
+    }
+    for role, ms in per_request.items():
+        print(f"  {role}: {', '.join(f'{m:.2f}' for m in ms)} CPU ms per request")
+    return {"loads": results, "server_cpu_ms_per_request": per_request}
 
 
 def run_engine_and_server(model: Path, device: str, flags: dict, workload) -> dict:
@@ -487,6 +510,12 @@ def main() -> None:
     if args.dashboard_only:
         payload |= run_dashboard_only(args, device, flags, workload)
         write_result("phase8_serving_dashboard" + "_quick" * quick, payload, args.out)
+        return
+    if args.admission_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            stub = write_checkpoint(Path(tmp) / "stub", TINY, args.tokenizer_dir)
+            payload["admission"] = run_admission(stub, workload, quick, args.admission_only)
+        write_result("phase8_serving_admission" + "_quick" * quick, payload, args.out)
         return
     with tempfile.TemporaryDirectory() as tmp:
         stub = write_checkpoint(Path(tmp) / "stub", TINY, args.tokenizer_dir)

@@ -22,6 +22,8 @@ missing or wrong API key 401, a body over the limit 413; a dead engine core is a
 /health says 503), a failed step a 500 or an SSE error event: never a hang.
 """
 
+import contextlib
+import gc
 import logging
 import secrets
 from dataclasses import dataclass
@@ -62,9 +64,24 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+@contextlib.asynccontextmanager
+async def frozen_startup_heap(app: FastAPI):
+    """Marks everything alive at start-up (torch, the tokenizer, the app: ~200,000 objects) as
+    permanent, so the collector's full passes stop walking it (vLLM's API server does the same).
+    Each pass walked them all (0.17 s on the 2-core test machine), and admitting W's 256
+    requests set off several; a W request's admission took 3.5 ms of CPU there, 2.9 after."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="mini-vllm", summary="OpenAI-compatible server",
-                  default_response_class=FastJSONResponse)  # fmt: skip
+                  default_response_class=FastJSONResponse,
+                  lifespan=frozen_startup_heap)  # fmt: skip
     server = OpenAIServing(llm, config)
     _install_error_handlers(app, config)
 

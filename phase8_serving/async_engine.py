@@ -13,7 +13,8 @@ The kitchen (the cores) only cooks; the front desk (this) takes orders and plate
 Invariants:
 - `add_requests` checks every prompt against the core's limits first (a ValueError, before
   anything is sent), then sends all of an HTTP request's prompts in ONE message to one core
-  (the least loaded), so they are admitted together;
+  (the least loaded; with the other requests added in the same event-loop turn), so they are
+  admitted together;
 - a stream closed before it finished aborts all its unfinished engine requests in one message;
 - a core that dies fails the requests it held (`EngineDeadError`) and `is_alive` turns False;
   a failed step fails its requests (`EngineStepError`); no request ever waits forever;
@@ -29,7 +30,6 @@ from collections.abc import Callable, Sequence
 from .core_client import EngineCoreClient, EngineDeadError
 from .core_messages import (
     AbortRequests,
-    AddRequests,
     CoreInfo,
     EngineCoreRequest,
     EngineState,
@@ -202,7 +202,7 @@ class AsyncLLM:
             core.num_requests += 1
             core.num_tokens += len(prompt) + p.max_tokens
             requests.append(EngineCoreRequest(engine_id, prompt, p))
-        self.client.send(core, AddRequests(requests))
+        self.client.add(core, requests)
         return RequestStream(self, ids, collector)
 
     def abort(self, request_ids: Sequence[str]) -> None:

@@ -6,10 +6,10 @@ hundreds of requests, so the encoding must cost microseconds and say exactly wha
 Idea (vLLM v1's `EngineCoreRequest` and `EngineCoreOutputs`): msgspec structs, encoded as
 msgpack arrays (no field names on the wire), each message led by its class name (a tagged union,
 so one decoder per direction reads them all). Token ids cross the boundary, never text.
-- in, batched: `AddRequests` (every prompt of an HTTP request in one message), `AbortRequests`
-  (a client left, or the front end found a stop string), `GetState` (a small request/reply),
-  `WatchEngine` (a dashboard page opened or closed), and `Hello`, answered with `CoreInfo` (what
-  the front end must know to validate prompts), and `Shutdown`;
+- in, batched: `AddRequests` (every prompt of the HTTP requests of one event-loop turn in one
+  message), `AbortRequests` (a client left, or the front end found a stop string), `GetState`
+  (a small request/reply), `WatchEngine` (a dashboard page opened or closed), and `Hello`,
+  answered with `CoreInfo` (what the front end must know to validate prompts), and `Shutdown`;
 - out: ONE `StepOutputs` per engine step, with every request's new token ids (logprobs when
   asked), finish reasons, the core's timestamps, `EngineStats` for /metrics and, while watched and
   at a bounded rate, a `snapshot` dict for dashboards (snapshot.py); `Heartbeat` while idle.
@@ -43,7 +43,7 @@ class Message(msgspec.Struct, tag=True, array_like=True):
     """A message of either direction: a msgpack array led by its class name (the tag)."""
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True):
+class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -97,8 +97,9 @@ class CoreInfo(Message):
     enable_prefix_caching: bool
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's news from one step."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's news from one step. Untracked by the garbage collector (`gc=False`: it
+    holds no cycles), so the hundreds made every step set off no collections."""
 
     request_id: str
     new_token_ids: list[int]

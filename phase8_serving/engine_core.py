@@ -26,6 +26,7 @@ Invariants:
   its own serves whichever front end said `Hello` last, and drops the requests of the one before.
 """
 
+import gc
 import logging
 import math
 import os
@@ -53,7 +54,7 @@ from .core_messages import (
     WatchEngine,
     make_socket,
 )
-from .engine import LLM, LLMEngine, RequestOutput, RequestOutputKind
+from .engine import LLM, LLMEngine, RequestOutputKind, TokenIdsOutput
 from .metrics import EngineStats
 from .snapshot import engine_snapshot
 
@@ -227,16 +228,16 @@ class EngineCore:
         self._send(StepOutputs(outputs, now, engine_stats(self.engine), self._snapshot(now)))
 
     def _note_scheduled(self, step_start: float) -> None:
-        """A running request that has no scheduled time was first run by this step."""
-        for seq in self.engine.scheduler.running:
+        """The requests this step admitted were first run by it (a preempted one admitted
+        again has its time already)."""
+        for seq in self.engine.last_schedule.admitted:
             timing = self.timing.get(seq.request_id)
             if timing is not None and timing[1] is None:
                 timing[1] = step_start
 
-    def _output(self, result: RequestOutput, step_start: float) -> EngineCoreOutput:
-        completion = result.outputs[0]
+    def _output(self, result: TokenIdsOutput, step_start: float) -> EngineCoreOutput:
         output = EngineCoreOutput(
-            result.request_id, completion.token_ids, completion.logprobs, completion.finish_reason
+            result.request_id, result.new_token_ids, result.new_logprobs, result.finish_reason
         )
         timing = self.timing.pop(result.request_id, None)
         if timing is not None:  # its first output
@@ -300,6 +301,14 @@ def core_info(engine: LLMEngine) -> CoreInfo:
     )
 
 
+def freeze_startup_heap() -> None:
+    """Marks everything alive once the engine is built (torch, the model, the tokenizer) as
+    permanent, so the collector's full passes, set off by the objects every step allocates, stop
+    walking it (vLLM's engine core does the same)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_engine_core(
     spec: EngineCoreSpec, address: str, parent_pid: int | None = None, log_level: int | None = None
 ) -> None:
@@ -322,6 +331,7 @@ def run_engine_core(
     socket = make_socket(context, zmq.ROUTER)
     socket.bind(address)  # first: a taken address fails before the slow load
     llm = spec.make_llm(spec)
+    freeze_startup_heap()
     try:
         EngineCore(llm.engine, spec, socket).run(parent_pid)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the front end reports

@@ -77,14 +77,16 @@ class StreamDetokenizer:
         self.num_prompt_chars = len(self._decode(self.token_ids[self.read_offset :]))
 
     def add_tokens(self, new_ids: Sequence[int]) -> str:
-        pieces = []
+        # one id per step is the usual case, and this runs for every request every step
+        backend, token_ids, step = self.tokenizer.backend, self.token_ids, self.stream.step
+        text = ""
         for token in new_ids:
-            self.token_ids.append(token)
-            piece = self.stream.step(self.tokenizer.backend, token)
+            token_ids.append(token)
+            piece = step(backend, token)
             if piece is not None:  # None: a character is still split
-                pieces.append(piece)
-                self.read_offset = len(self.token_ids)
-        return self._without_prompt_text("".join(pieces))
+                text += piece
+                self.read_offset = len(token_ids)
+        return self._without_prompt_text(text) if self.num_prompt_chars else text
 
     def flush(self) -> str:
         """At the end of a request: what a split character held back, as U+FFFD."""
@@ -138,20 +140,32 @@ class PendingOutput:
         return OutputDelta("".join(self.texts), self.token_ids, self.logprobs, self.finish_reason)
 
 
+def pending_delta(pending: OutputDelta | PendingOutput) -> OutputDelta:
+    """What a collector holds for a choice, as one delta."""
+    return pending.delta() if isinstance(pending, PendingOutput) else pending
+
+
 class RequestOutputCollector:
-    """One HTTP request's outputs, by choice index, waiting for its handler to take them."""
+    """One HTTP request's outputs, by choice index, waiting for its handler to take them.
+
+    A choice's first delta waits as it is: a handler that keeps up takes every delta before
+    the next one comes, and then nothing is copied or merged; a second delta turns it into a
+    `PendingOutput`."""
 
     def __init__(self):
-        self.pending: dict[int, PendingOutput] = {}
+        self.pending: dict[int, OutputDelta | PendingOutput] = {}
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
 
     def put(self, index: int, delta: OutputDelta) -> None:
         pending = self.pending.get(index)
         if pending is None:
-            self.pending[index] = PendingOutput.start(delta)
-        else:
+            self.pending[index] = delta
+        elif isinstance(pending, PendingOutput):
             pending.add(delta)
+        else:
+            merged = self.pending[index] = PendingOutput.start(pending)
+            merged.add(delta)
         self.ready.set()
 
     def fail(self, error: BaseException) -> None:
@@ -165,7 +179,7 @@ class RequestOutputCollector:
         if self.error is not None:
             raise self.error
         pending, self.pending = self.pending, {}
-        return {index: p.delta() for index, p in pending.items()}
+        return {index: pending_delta(p) for index, p in pending.items()}
 
     async def get(self) -> dict[int, OutputDelta]:
         """`get_nowait`, once there is something to get."""
@@ -209,8 +223,10 @@ class RequestState:
         new_text = self.detokenizer.add_tokens(ids[:-1] if reason == "stop" else ids)
         if reason is not None and reason != "stop":
             new_text += self.detokenizer.flush()  # a character split at max_tokens shows up
-        text = self.unsent_text + new_text
         self.num_output_tokens += len(ids)
+        if not self.stops:  # nothing to search or hold back (most requests, every step)
+            return OutputDelta(new_text, ids, output.new_logprobs, reason)
+        text = self.unsent_text + new_text
         searched = new_text and self.num_output_tokens > self.min_tokens
         match = find_stop_string(text, self.stops, len(new_text)) if searched else None
         if match is not None:
@@ -218,7 +234,7 @@ class RequestState:
             reason = "stop"
         end = len(text) - (held_back_length(text, self.stops) if reason is None else 0)
         self.unsent_text = text[end:]
-        return OutputDelta(text[:end], list(ids), output.new_logprobs, reason)
+        return OutputDelta(text[:end], ids, output.new_logprobs, reason)
 
 
 class OutputProcessor:

@@ -37,7 +37,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .async_engine import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
-from .protocol import ChatCompletionRequest, InvalidRequest, SamplingRequest, error_body
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    SamplingRequest,
+    error_body,
+)
 from .responses import (
     ChoiceStream,
     chat_chunk,
@@ -109,7 +115,10 @@ class OpenAIServing:
                 f"allows {self.config.max_choices_per_request} (--max-choices-per-request).",
                 "n" if chat else "prompt",
             )
-        prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
+        if isinstance(body, CompletionRequest) and body.has_token_ids:
+            prompts = self._prompt_token_ids(body)  # nothing to tokenize: no hop to a thread
+        else:
+            prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = await self._open(request_id, body, prompts)
         if self.config.enable_log_requests:
@@ -133,7 +142,8 @@ class OpenAIServing:
         return FastJSONResponse(build(meta, choices, usage(prompts, choices)))
 
     def _prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
-        """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input."""
+        """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input
+        (token ids alone are checked on the event loop: a hop to a thread cost more)."""
         tok = self.tokenizer
         if isinstance(body, ChatCompletionRequest):
             messages = [m.for_template() for m in body.messages]
@@ -232,7 +242,9 @@ def _sse(payload: dict) -> bytes:
 def check_no_lone_surrogate(body: SamplingRequest) -> None:
     """A lone UTF-16 surrogate ("\\ud800" in JSON) is valid JSON but no text: nothing can encode
     it (the tokenizer, the reply), so it is refused up front, naming where it was."""
-    where = _lone_surrogate(body.model_dump(exclude_defaults=True), "")
+    # token ids hold no text: a prompt of thousands of them is neither copied nor walked
+    skip = {"prompt"} if isinstance(body, CompletionRequest) and body.has_token_ids else None
+    where = _lone_surrogate(body.model_dump(exclude_defaults=True, exclude=skip), "")
     if where is not None:
         raise InvalidRequest(f"{where or 'body'}: contains a lone surrogate (not valid Unicode)",
                              where.split(".")[0] or None)  # fmt: skip

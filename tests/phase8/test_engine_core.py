@@ -156,3 +156,127 @@ def test_a_front_end_that_falls_behind_loses_no_step_output(make):
         router.close(linger=0)
         dealer.close(linger=0)
         context.term()
+
+
+def test_the_front_end_reads_a_backlog_in_order_then_waits_again(monkeypatch):
+    """A front end behind its core reads the queued step outputs without a wait per message
+    (core_client._received), all of them and in order, heartbeats skipped; then it waits on the
+    socket again, and a message sent later still arrives."""
+    import asyncio
+
+    import msgspec
+    import zmq
+
+    from phase8_serving import core_client
+    from phase8_serving.core_client import CoreConnection, EngineCoreClient
+    from phase8_serving.core_messages import Heartbeat, StepOutputs, make_socket
+    from phase8_serving.metrics import EngineStats
+
+    read_at_once = []  # frames the reader took without waiting
+
+    def received(socket):
+        frame = unspied(socket)
+        read_at_once.append(frame is not None)
+        return frame
+
+    unspied = core_client._received
+    monkeypatch.setattr(core_client, "_received", received)
+
+    context = zmq.Context()
+    router, dealer = make_socket(context, zmq.ROUTER), make_socket(context, zmq.DEALER)
+    router.bind("inproc://backlog")
+    dealer.connect("inproc://backlog")
+    client = EngineCoreClient([CoreConnection(0, "inproc://backlog", dealer, None)], context)
+    encoder = msgspec.msgpack.Encoder()
+    dealer.send(b"hello")
+    identity, _ = router.recv_multipart()
+
+    def send(message) -> None:
+        router.send_multipart([identity, encoder.encode(message)])
+
+    async def main() -> list[float]:
+        got: list[float] = []
+        for i in range(3000):
+            send(Heartbeat() if i % 100 == 0 else StepOutputs([], float(i), EngineStats()))
+        client.start(lambda core, message: got.append(message.timestamp), lambda *_: None)
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if len(got) == 2970:
+                break
+        send(StepOutputs([], -1.0, EngineStats()))  # the reader sleeps on the socket by now
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if len(got) == 2971:
+                break
+        for task in client.tasks:
+            task.cancel()
+        return got
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        context.term()
+    assert got == [float(i) for i in range(3000) if i % 100] + [-1.0]
+    assert sum(read_at_once) > 2000  # the backlog, read without a wait per message
+
+
+def test_requests_added_in_one_loop_turn_leave_in_one_message_and_before_what_follows():
+    """Adds of one event-loop turn (a burst of HTTP requests) reach the core as one
+    AddRequests, so it runs one step for all of them; any other message to the core (an abort,
+    a GetState) leaves after the adds made before it, never ahead of them."""
+    import asyncio
+
+    import msgspec
+    import zmq
+
+    from phase8_serving.core_client import CoreConnection, EngineCoreClient
+    from phase8_serving.core_messages import (
+        AbortRequests,
+        AddRequests,
+        CoreInput,
+        EngineCoreRequest,
+        make_socket,
+    )
+    from phase8_serving.sampling import SamplingParams
+
+    context = zmq.Context()
+    router, dealer = make_socket(context, zmq.ROUTER), make_socket(context, zmq.DEALER)
+    router.bind("inproc://adds")
+    dealer.connect("inproc://adds")
+    core = CoreConnection(0, "inproc://adds", dealer, None)
+    client = EngineCoreClient([core], context)
+
+    def request(request_id: str) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id, [1, 2], SamplingParams())
+
+    async def main() -> None:
+        client.start(lambda *_: None, lambda *_: None)
+        client.add(core, [request("a-0"), request("a-1")])
+        client.add(core, [request("b-0")])
+        client.send(core, AbortRequests(["b-0"]))  # the adds before it leave first
+        client.add(core, [request("c-0")])
+        client.add(core, [request("d-0")])
+        await asyncio.sleep(0.05)  # the turn ends: c and d leave together
+        client.add(core, [request("e-0")])
+        await asyncio.sleep(0.05)
+        for task in client.tasks:
+            task.cancel()
+
+    try:
+        asyncio.run(main())
+        decoder = msgspec.msgpack.Decoder(CoreInput)
+        got = []
+        while router.poll(100):
+            message = decoder.decode(router.recv_multipart()[1])
+            got.append(
+                [r.request_id for r in message.requests]
+                if isinstance(message, AddRequests)
+                else ("abort", message.request_ids)
+            )
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        context.term()
+    assert got == [["a-0", "a-1", "b-0"], ("abort", ["b-0"]), ["c-0", "d-0"], ["e-0"]]

@@ -116,23 +116,25 @@ def test_prompts_times_n_over_the_cap_is_a_400(live_server, strict_url):
 
 def test_a_batched_request_enters_in_one_message_and_leaves_together(live_server, monkeypatch):
     client = live_server.llm.client
-    sent = []
-    send = client.send
+    sent = []  # every message to the core, as it is encoded to leave
+    encoder = client.encoder
 
-    def spy(core, message):
-        sent.append(message)
-        send(core, message)
+    class Recording:
+        def encode(self, message):
+            sent.append(message)
+            return encoder.encode(message)
 
-    monkeypatch.setattr(client, "send", spy)
+    monkeypatch.setattr(client, "encoder", Recording())
     prompts = [[*SLOW_MARK, *f"prompt {i}".encode()] for i in range(8)]
     body = {"prompt": prompts, "n": 2, "max_tokens": 30, "ignore_eos": True}
     with Bystander(live_server.base_url) as bystander:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up: all 16 must go at once
             httpx.post(live_server.base_url + "/v1/completions", json=body, timeout=0.5)
     live_server.wait_until_idle(timeout=2.0)
-    adds = [m for m in sent if isinstance(m, AddRequests)]
-    batch = next(m for m in adds if len(m.requests) == 16)
-    assert len({r.request_id.rsplit("-", 1)[0] for r in batch.requests}) == 1
+    adds = [[r.request_id.rsplit("-", 1)[0] for r in m.requests] for m in sent
+            if isinstance(m, AddRequests)]  # fmt: skip
+    (batched,) = {i for ids in adds for i in ids if ids.count(i) == 16}
+    assert sum(ids.count(batched) for ids in adds) == 16  # all 16 in that one message
     aborts = [m for m in sent if type(m).__name__ == "AbortRequests" and len(m.request_ids) > 1]
     assert [len(m.request_ids) for m in aborts] == [16]
     assert bystander.longest_wait < MAX_STALL_S
@@ -218,3 +220,65 @@ def test_a_client_hang_up_is_one_log_line(live_server, caplog):
     left = [r for r in caplog.records if "disconnected" in r.getMessage()]
     assert len(left) == 2, [r.getMessage() for r in caplog.records]
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+# -- what admitting a long token-id prompt costs ----------------------------------------------
+
+
+LONG_IDS = list(range(5000))
+
+
+def test_a_token_id_prompt_is_validated_as_token_ids_only():
+    """The prompt's shape is read from its first item and validated as that shape alone: a bad
+    id in 5,000 is one error, not the 5,000 of a failed try as a list of strings (the cost of a
+    W prompt's validation, three quarters of it, before)."""
+    from pydantic import ValidationError
+
+    from phase8_serving.protocol import CompletionRequest
+
+    assert CompletionRequest.model_validate({"prompt": LONG_IDS}).prompts() == [LONG_IDS]
+    with pytest.raises(ValidationError) as error:
+        CompletionRequest.model_validate({"prompt": [*LONG_IDS, "x"]})
+    assert [e["loc"] for e in error.value.errors()] == [("prompt", "ids", 5000)]
+    for prompt in ("hi", ["a", "b"], [[1], [2, 3]]):
+        assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt
+
+
+def test_a_token_id_prompt_is_not_walked_for_lone_surrogates(monkeypatch):
+    """Token ids hold no text: the surrogate check neither copies nor walks 5,000 of them; the
+    body's strings are still looked at."""
+    from phase8_serving import serving_engine
+    from phase8_serving.protocol import CompletionRequest, InvalidRequest
+
+    walked = []
+
+    def spy(value, path):
+        walked.append(value)
+        return unspied(value, path)
+
+    unspied = serving_engine._lone_surrogate
+    monkeypatch.setattr(serving_engine, "_lone_surrogate", spy)
+    serving_engine.check_no_lone_surrogate(CompletionRequest(prompt=LONG_IDS, user="u"))
+    assert "prompt" not in walked[0] and "u" in walked
+    for body in ({"prompt": LONG_IDS, "user": "\udc00"}, {"prompt": "hi", "model": "m\ud800"}):
+        with pytest.raises(InvalidRequest, match="lone surrogate"):
+            serving_engine.check_no_lone_surrogate(CompletionRequest(**body))
+
+
+def test_only_text_goes_through_the_tokenizer_pool(live_server, monkeypatch):
+    """Token ids need no tokenizing: such a prompt is admitted without the hop to a pool thread
+    and back (~55 us of CPU here, a thirtieth of a W request's admission); text still goes."""
+    hops = []
+    pool = live_server.llm.run_in_tokenizer_pool
+
+    async def counted(fn, *args):
+        hops.append(fn.__name__)
+        return await pool(fn, *args)
+
+    monkeypatch.setattr(live_server.llm, "run_in_tokenizer_pool", counted)
+    for prompt in ([72, 105], [[72], [105]], "Hi"):
+        body = {"prompt": prompt, "max_tokens": 2}
+        response = httpx.post(live_server.base_url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+    assert hops == ["_prompt_token_ids"]  # the text prompt's alone
+    live_server.wait_until_idle(timeout=2.0)

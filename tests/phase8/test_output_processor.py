@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from phase8_serving.core_messages import EngineCoreOutput, StepOutputs
-from phase8_serving.engine import LLM, RequestOutputKind
+from phase8_serving.engine import LLM, RequestOutputKind, TokenIdsOutput
 from phase8_serving.metrics import (
     ITL_BUCKETS,
     CountedHistogram,
@@ -26,7 +26,7 @@ from phase8_serving.output_processor import (
     StreamDetokenizer,
     make_detokenizer,
 )
-from phase8_serving.sampling import SamplingParams
+from phase8_serving.sampling import SamplingParams, TokenLogprobs
 from phase8_serving.streaming import OutputDelta
 from phase8_serving.tokenizer import IncrementalDetokenizer
 
@@ -45,9 +45,9 @@ def core_outputs(llm, prompt, params) -> list[EngineCoreOutput]:
     outputs = []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            assert out.request_id == request_id and out.outputs[0].text == ""  # no text made
-            c = out.outputs[0]
-            outputs.append(EngineCoreOutput(request_id, c.token_ids, c.logprobs, c.finish_reason))
+            assert isinstance(out, TokenIdsOutput) and out.request_id == request_id  # no text
+            outputs.append(EngineCoreOutput(request_id, out.new_token_ids, out.new_logprobs,
+                                            out.finish_reason))  # fmt: skip
     return outputs
 
 
@@ -179,6 +179,22 @@ def test_collector_merges_what_the_reader_has_not_taken():
             await collector.get()
 
     asyncio.run(main())
+
+
+def test_collector_hands_a_kept_up_reader_the_delta_itself_and_never_alters_it():
+    """The usual case costs no copy: a delta taken before the next one comes is the very
+    object put. A merge copies first: the first delta's lists (the core message's own) are
+    left as they were."""
+    collector = RequestOutputCollector()
+    delta = OutputDelta("a", [1], None, None)
+    collector.put(0, delta)
+    assert collector.get_nowait()[0] is delta
+    ids, logprobs = [1], [TokenLogprobs(1, -0.5, ())]
+    collector.put(0, OutputDelta("a", ids, logprobs, None))
+    collector.put(0, OutputDelta("b", [2], [TokenLogprobs(2, -1.0, ())], "length"))
+    merged = collector.get_nowait()[0]
+    assert merged.text == "ab" and merged.token_ids == [1, 2] and len(merged.logprobs) == 2
+    assert ids == [1] and len(logprobs) == 1
 
 
 def test_counted_histogram_renders_as_prometheus_clients_histogram():

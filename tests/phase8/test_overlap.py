@@ -34,6 +34,7 @@ from phase8_serving.output_processor import (
     RequestOutputCollector,
     RequestState,
     make_detokenizer,
+    pending_delta,
 )
 
 from .conftest import save_tiny_checkpoint
@@ -281,7 +282,7 @@ def through_the_core(model_dir, params, async_scheduling: bool, **engine_kwargs)
                 fe.abort([str(CLIENT_ABORTED)])
         assert not fe.processor.states and not fe.engine.requests
         assert fe.engine.block_manager.num_used_blocks == 0
-        deltas = {int(i): c.pending[0].delta() for i, c in fe.collectors.items()}
+        deltas = {int(i): pending_delta(c.pending[0]) for i, c in fe.collectors.items()}
         results = {i: (d.token_ids, d.text, d.finish_reason, d.logprobs) for i, d in deltas.items()}
         return results, fe.freed_later
     finally:

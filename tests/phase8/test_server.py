@@ -271,3 +271,19 @@ def test_embedded_default_answers_through_the_openai_client():
     finally:
         host.close()
         llm.shutdown()
+
+
+def test_a_running_app_keeps_its_start_up_heap_out_of_the_collectors_passes(live_server):
+    """Started, the app freezes what is alive (gc.freeze: full collections stop walking torch
+    and the tokenizer); stopped, it unfreezes it."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from phase8_serving.api_server import build_app
+
+    gc.unfreeze()  # the live server's own start froze the heap already
+    app = build_app(live_server.llm, live_server.config)
+    with TestClient(app):  # runs the app's lifespan
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
