@@ -233,9 +233,9 @@ class TritonAttention:
                 q[:d], k_cache, v_cache, batch.seq_lens[:d], batch.block_tables[:d], scale,
                 config=config, out=out[:d],
             )  # fmt: skip
-        return self.kernels.flash_attn_varlen_paged(  # offsets stay absolute: rows d … N - 1
-            q, k_cache, v_cache, batch.query_start_loc[d:], batch.seq_lens[d:],
-            batch.block_tables[d:], batch.max_query_len, scale, out=out,
+        return self.kernels.flash_attn_varlen_paged(
+            q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            batch.max_query_len, scale, out=out, first_seq=d,
         )  # fmt: skip
 
     def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=DEFAULT_KERNELS) -> torch.Tensor:

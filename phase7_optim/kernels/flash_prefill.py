@@ -62,7 +62,9 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
 
-@triton.jit
+# first_seq changes with every mixed step: specialized (on == 1 or % 16), it would compile new
+# variants at run time, seconds each, in the middle of serving
+@triton.jit(do_not_specialize=["first_seq"])
 def _flash_attn_varlen_paged_kernel(
     q_ptr,
     k_cache_ptr,
@@ -71,6 +73,7 @@ def _flash_attn_varlen_paged_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    first_seq,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -91,7 +94,7 @@ def _flash_attn_varlen_paged_kernel(
 ):
     start_m = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2)
+    seq = first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if start_m * BLOCK_M >= q_len:  # the grid is sized for the longest sequence
@@ -146,6 +149,7 @@ def flash_attn_varlen_paged(
     scale: float,
     config: PrefillConfig | None = None,
     out: torch.Tensor | None = None,
+    first_seq: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed queries `q` `[T, H, D]` over their paged contexts.
 
@@ -153,8 +157,11 @@ def flash_attn_varlen_paged(
     seq_lens: int32 `[num_seqs]`, context length including the new tokens.
     block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
     max_query_len: the longest q_len (a host int, so the launch needs no device sync).
-    out: where to write (q's shape and dtype; rows of `q` that no sequence covers are left as
-    they are), else a new tensor. Returns it.
+    out: where to write (q's shape and dtype), else a new tensor. Returns it.
+    first_seq: sequences before it are skipped, their rows of `out` left as they are (a mixed
+    step's decodes, attended by the decode kernel). An index, not sliced tensors: a slice's
+    pointer loses the alignment the compiled kernel was specialized for, and Triton compiles
+    another variant on the spot.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -167,11 +174,11 @@ def flash_attn_varlen_paged(
     config = config or default_prefill_config(head_dim, q.device)
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
-    if num_tokens == 0:
+    if num_tokens == 0 or first_seq == num_seqs:
         return out
-    grid = (triton.cdiv(max_query_len, config.block_m), num_heads, num_seqs)
+    grid = (triton.cdiv(max_query_len, config.block_m), num_heads, num_seqs - first_seq)
     _flash_attn_varlen_paged_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,
         scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
