@@ -172,10 +172,12 @@ def test_a_lone_surrogate_anywhere_is_a_400(live_server, where):
 
 def test_one_write_per_step_for_all_choices(live_server):
     """n=3 streamed: every write but the last carries one chunk of each of the 3 choices
-    (logprobs asked, so every step's delta is worth a chunk even when its text is held back)."""
+    (logprobs asked, so every step's delta is worth a chunk even when its text is held back).
+    Slow steps (SLOW_MARK): a reader that keeps up writes each step alone, even on a loaded
+    machine (with the tiny model's steps, a busy CI machine saw five steps merged into one)."""
     app = build_app(live_server.llm, live_server.config)
-    body = {"prompt": "abc", "n": 3, "max_tokens": 5, "ignore_eos": True, "stream": True,
-            "temperature": 1.0, "seed": 3, "logprobs": 1}  # fmt: skip
+    body = {"prompt": [*SLOW_MARK, *b"abc"], "n": 3, "max_tokens": 5, "ignore_eos": True,
+            "stream": True, "temperature": 1.0, "seed": 3, "logprobs": 1}  # fmt: skip
     writes = live_server.host.run(_asgi_writes(app, body))
     assert writes[-1].endswith(b"data: [DONE]\n\n")
     for write in writes[:-1]:
