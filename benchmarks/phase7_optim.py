@@ -22,6 +22,9 @@ Writes phase7_optim.json and phase7_optim.png into --out (`--ablation-only`:
 phase7_optim_ablation.json).
 Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--ablation] [--out DIR]
 `--ablation-only` runs 4. alone (with --quick, on W's first 64); `--levers` picks its rows.
+`--w-kernels-only`: W once, then again with torch.profiler on over `W_KERNEL_WINDOWS` (windows of
+its steps, from the prompts down to the last few sequences): per window GPU µs per kernel kind and
+the share of the span the GPU sat idle (phase7_w_kernels.json).
 """
 
 import argparse
