@@ -3,6 +3,7 @@ and after the residual add), SiLU-and-multiply, per-head q/k RMSNorm + RoPE (alo
 KV-cache store). CPU: Triton interpreter in float32 (and float16 where rounding is the point); GPU:
 bf16 against the float32 modules, by relative error (as in test_kernels.py)."""
 
+import inspect
 import os
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the phase 7 kernels need triton (pip install triton)")
 
-from phase7_optim.kernels import PAD_SLOT_ID, store_kvcache_ref  # noqa: E402
+from phase7_optim.kernels import PAD_SLOT_ID, fused, paged_decode, store_kvcache_ref  # noqa: E402
 from phase7_optim.kernels.fused import (  # noqa: E402
     fused_add_rms_norm,
     qk_norm_rope,
@@ -150,6 +151,25 @@ def test_qk_norm_rope_store_is_norm_rope_then_store(qk_norm):
     store_kvcache_ref(k_rotated, v.contiguous(), k_ref, v_ref, slot_mapping)
     torch.testing.assert_close(k_cache, k_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(v_cache, v_ref)  # a copy is exact, and the junk around it untouched
+
+
+PDL_KERNELS = [
+    fused._rms_norm_kernel, fused._fused_add_rms_norm_kernel, fused._silu_and_mul_kernel,
+    fused._qk_norm_rope_store_kernel, paged_decode._paged_decode_split_kernel,
+    paged_decode._paged_decode_reduce_kernel,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", PDL_KERNELS, ids=lambda k: k.fn.__name__)
+def test_pdl_kernels_touch_no_memory_before_they_wait(kernel):
+    """Launched with programmatic dependent launch, these kernels start while the kernel before
+    them still writes their inputs (kernels/pdl.py): nothing may be loaded or stored before the
+    wait, which every program reaches (no return above it)."""
+    name = kernel.fn.__name__
+    before, wait, _ = inspect.getsource(kernel.fn).partition("wait_for_previous(PDL)")
+    assert wait, f"{name} never waits for the kernel before it"
+    for memory_op in ("tl.load", "tl.store", "tl.atomic", "return"):
+        assert memory_op not in before, f"{name}: {memory_op} before the wait"
 
 
 @pytest.mark.gpu
