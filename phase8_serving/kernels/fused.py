@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .kv_store import PAD_SLOT_ID
-from .pdl import launch_dependents, supports_pdl
+from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 SILU_BLOCK = 1024  # columns of SiLU-and-multiply per program
 
@@ -44,6 +44,7 @@ def _rms_norm_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     launch_dependents(PDL)  # a GEMV after it may start loading its weights (kernels/pdl.py)
+    wait_for_previous(PDL)  # x: the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -61,10 +62,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, n_cols)
     assert x2.stride(-1) == 1 and weight.shape == (n_cols,)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    pdl = supports_pdl(x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), n_cols, eps,
-            BLOCK=triton.next_power_of_2(n_cols), PDL=supports_pdl(x.device),
+            BLOCK=triton.next_power_of_2(n_cols), PDL=pdl, **pdl_launch(pdl),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -76,6 +78,7 @@ def _fused_add_rms_norm_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     launch_dependents(PDL)
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -99,10 +102,11 @@ def fused_add_rms_norm(
     assert x.shape == residual.shape and x.dtype == residual.dtype and weight.shape == (n_cols,)
     assert x.stride(-1) == residual.stride(-1) == 1
     out = torch.empty_like(residual)
+    pdl = supports_pdl(x.device)
     if n_rows:
         _fused_add_rms_norm_kernel[(n_rows,)](
             x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n_cols, eps,
-            BLOCK=triton.next_power_of_2(n_cols), PDL=supports_pdl(x.device),
+            BLOCK=triton.next_power_of_2(n_cols), PDL=pdl, **pdl_launch(pdl),
         )  # fmt: skip
     return out
 
@@ -112,6 +116,7 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
     launch_dependents(PDL)
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -126,10 +131,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n_rows, n_cols = x.shape[0], x.shape[1] // 2
     assert x.stride(-1) == 1 and x.shape[1] == 2 * n_cols
     out = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
+    pdl = supports_pdl(x.device)
     if n_rows:
         grid = (n_rows, triton.cdiv(n_cols, SILU_BLOCK))
         _silu_and_mul_kernel[grid](
-            x, out, x.stride(0), out.stride(0), n_cols, BLOCK=SILU_BLOCK, PDL=supports_pdl(x.device)
+            x, out, x.stride(0), out.stride(0), n_cols, BLOCK=SILU_BLOCK, PDL=pdl, **pdl_launch(pdl)
         )  # fmt: skip
     return out
 
@@ -214,7 +220,10 @@ def _qk_norm_rope_store_kernel(
     HALF: tl.constexpr,
     NORM: tl.constexpr,
     PAD_SLOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    launch_dependents(PDL)  # decode attention may be scheduled as this one drains
+    wait_for_previous(PDL)  # q, k, v: the qkv projection's output
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, HALF)
     position = tl.load(positions_ptr + token)
@@ -267,6 +276,7 @@ def qk_norm_rope_store(
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos.stride() == sin.stride()
     assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    pdl = supports_pdl(q.device)
     if n_tokens:
         norm = q_weight is not None
         _qk_norm_rope_store_kernel[(n_tokens,)](
@@ -283,5 +293,7 @@ def qk_norm_rope_store(
             HALF=head_dim // 2,
             NORM=norm,
             PAD_SLOT=PAD_SLOT_ID,
+            PDL=pdl,
+            **pdl_launch(pdl),
         )  # fmt: skip
     return out

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_dependents, supports_pdl, wait_for_previous
+from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 BLOCK_M = 16  # x's rows, padded, for tl.dot: its smallest M on a GPU (config.MAX_GEMV_BATCH)
 MIN_BLOCK_N = 8  # the multiply-and-sum path's narrowest tile (tl.dot's is 16)
@@ -296,11 +296,11 @@ def gemv(
     block_m = BLOCK_M if config.dot else triton.next_power_of_2(m)
     partial = y.new_empty(split_k, block_m, n, dtype=torch.float32) if split_k > 1 else y
     use_pdl = pdl and config.pdl and supports_pdl(x.device)
-    launch = {"launch_pdl": True} if use_pdl else {}  # older Tritons know no such option
     args = (x, weight, y, partial, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
     common = dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                   SPLIT_K=split_k, SILU_MUL=silu_mul, PDL=use_pdl, IEEE=x.dtype == torch.float32,
-                  num_warps=config.num_warps, num_stages=config.num_stages, **launch)  # fmt: skip
+                  num_warps=config.num_warps, num_stages=config.num_stages,
+                  **pdl_launch(use_pdl))  # fmt: skip
     if config.tile:
         assert config.block_k * split_k == k or (split_k == 1 and config.block_k >= k), (
             f"a tile config covers K exactly, or in one masked slice: {config}, K={k}"

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .online_softmax import attn_tiles
+from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 LOG2_E = 1.4426950408889634
 MIN_BLOCK_H = 16  # tl.dot's smallest M on a GPU
@@ -56,6 +57,7 @@ class DecodeConfig:
     programs_per_sm: int = 4  # how many programs the split heuristic aims at per SM
     min_tokens_per_split: int = 256  # below this a split's partial-output traffic stops paying
     direct_single_split: bool = False  # one split: store the output, skip the merge kernel
+    pdl: bool = False  # programmatic dependent launch: start while the kernel before finishes
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n != triton.next_power_of_2(self.block_n):
@@ -71,9 +73,13 @@ BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 # so no sequence's whole long context finishes last; a short context splits finer (a single
 # stream's 512-768 tokens in 16 splits, not 4: 4.4 µs a layer, not 7.8); (64, 4, 3) was the best
 # tile overall. Batch 8 loses (33 splits are too many for its contexts).
+# 2026-12-02, same sweep: two pipeline stages, not three, read faster at every batch of W's mix
+# (batch 256 3,939 vs 3,912 GB/s, 128 3,699 vs 3,656, 48 3,177 vs 3,088: a third stage only
+# holds more registers and shared memory, fewer programs per SM); and launched with programmatic
+# dependent launch, like every kernel of the decode path (kernels/pdl.py).
 TUNED_DECODE_CONFIG = DecodeConfig(
-    block_n=64, num_warps=4, num_stages=3, programs_per_sm=16, min_tokens_per_split=64,
-    direct_single_split=True,
+    block_n=64, num_warps=4, num_stages=2, programs_per_sm=16, min_tokens_per_split=64,
+    direct_single_split=True, pdl=True,
 )  # fmt: skip
 
 
@@ -123,7 +129,10 @@ def _paged_decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: part_out_ptr is the output, (seq, head) rows, its dtype
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)  # the merge (or o_proj's GEMV) may be scheduled as this one drains
+    wait_for_previous(PDL)  # q and the newest key are the previous kernel's writes
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -181,7 +190,10 @@ def _paged_decode_reduce_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_previous(PDL)  # the partial outputs
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_SPLITS)
@@ -249,6 +261,7 @@ def paged_decode_attention(
         part_out = q.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
         part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
     group = num_heads // num_kv_heads
+    pdl = config.pdl and supports_pdl(q.device)
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse,
         scale * LOG2_E,
@@ -264,8 +277,10 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         DIRECT=direct,
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch(pdl),
     )  # fmt: skip
     if direct:
         return out
@@ -276,5 +291,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        PDL=pdl,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out

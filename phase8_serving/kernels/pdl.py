@@ -8,11 +8,17 @@ Idea (CUDA's programmatic dependent launch, `griddepcontrol` in PTX): a kernel l
 `launch_pdl=True` may start as soon as every program of the kernel before it has called
 `gdc_launch_dependents` (or ended). It does what depends on nobody first (loads its weights),
 then `gdc_wait`s: that returns once the previous kernel has completed and its writes are
-visible. The kernels that come before a GEMV trigger at their start (`launch_dependents`).
+visible. Every Triton kernel of a decode step (the norms, q/k norm + RoPE + store, SiLU-and-mul,
+decode attention and its merge, the GEMV) is launched so and triggers at its start
+(`launch_dependents`): where two of them follow each other, the second is already scheduled and
+waiting when the first ends, and the gap between them (~1 µs each, some 170 a step) closes. A
+kernel with nothing of its own to do before the wait (all but the GEMV) waits first. cuBLAS's
+kernels never trigger: what follows one starts when it ends, as without PDL.
 
 Invariants:
 - a kernel launched with PDL reads nothing an earlier kernel wrote, and writes nothing, before its
-  `gdc_wait`: only immutable weights are loaded before it;
+  `gdc_wait`: only immutable weights are loaded before it; every program of it reaches the wait
+  (a kernel that could end before its predecessor would let its own successor overtake both);
 - a kernel launched without PDL waits for the previous one as always, so triggering early is a
   hint with no effect on it; both calls are no-ops without PDL;
 - `PDL=False` (CPU, the interpreter, Triton < 3.3, GPUs before Hopper) compiles neither call.
@@ -33,6 +39,12 @@ except ImportError:
 
 def supports_pdl(device: torch.device) -> bool:
     return HAS_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(enabled: bool) -> dict:
+    """A kernel launch's extra options: launched with PDL, or as always (older Tritons know no
+    `launch_pdl` option at all)."""
+    return {"launch_pdl": True} if enabled else {}
 
 
 @triton.jit

@@ -9,6 +9,9 @@ an odd block size, preemption), greedy and seeded sampling; asking for logprobs 
 token either, and a greedy token's logprob is its top alternative's.
 """
 
+import importlib
+import inspect
+
 import pytest
 
 import phase7_optim
@@ -90,3 +93,15 @@ def test_mixed_steps_count_the_same_leading_decodes_as_phase7(spread_dir, monkey
         outputs(module, spread_dir, ENGINE_CONFIGS["tiny_chunks"], temperature=0.0)
     assert seen["phase7_optim"] == seen["phase8_serving"]
     assert any(0 < d < len(q_lens) for d, q_lens in seen["phase8_serving"])
+
+
+def test_decode_path_kernels_are_phase7s_and_launched_alike():
+    """Phase 8 serves with phase 7's kernels: every Triton kernel of the decode path has the same
+    source, and its wrapper the same programmatic-dependent-launch settings (kernels/pdl.py; phase
+    7's test_fused.py checks that none touches memory before its wait)."""
+    pytest.importorskip("triton")
+    for name in ("fused", "paged_decode", "pdl", "gemv", "sampling"):
+        ours = importlib.import_module(f"phase8_serving.kernels.{name}")
+        theirs = importlib.import_module(f"phase7_optim.kernels.{name}")
+        assert inspect.getsource(ours) == inspect.getsource(theirs), f"kernels/{name}.py differs"
+    assert phase8_serving.kernels.paged_decode.TUNED_DECODE_CONFIG.pdl
