@@ -319,8 +319,11 @@ def bench_decode_w_mix(cache, batch, config, num_splits=None) -> dict:
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     seq_lens = torch.tensor(contexts, device=DEVICE, dtype=torch.int32)
     scale = HEAD_DIM**-0.5
+    # as the engine's model runner hands it over (host-sorted, longest context first)
+    order = torch.argsort(seq_lens, descending=True).int() if config.longest_first else None
     ms = graph_ms_per_call(
-        [lambda t=t: paged_decode_attention(q, k, v, seq_lens, t, scale, num_splits, config)
+        [lambda t=t: paged_decode_attention(q, k, v, seq_lens, t, scale, num_splits, config,
+                                            order=order)
          for t in tables]
     )  # fmt: skip
     kv_bytes = 2 * sum(contexts) * NUM_KV_HEADS * HEAD_DIM * ELEMENT_BYTES

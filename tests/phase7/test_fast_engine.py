@@ -162,6 +162,26 @@ def test_a_mixed_step_counts_its_leading_decodes(tiny_qwen3_tied_dir, monkeypatc
     assert any(0 < d < len(q_lens) for d, q_lens in seen)  # decodes beside a prompt chunk
 
 
+def test_decodes_are_ordered_longest_context_first(tiny_qwen3_tied_dir, monkeypatch):
+    """Every eager step's ForwardBatch.decode_order (the order the decode kernel starts its
+    sequences in on CUDA) lists its leading decodes by context length, longest first."""
+    seen = []
+    attend = TorchAttention.attend
+
+    def spy(self, q, k_cache, v_cache, batch, kernels):
+        lens = batch.seq_lens[: batch.num_decodes].tolist()
+        seen.append((batch.decode_order.tolist(), lens))
+        return attend(self, q, k_cache, v_cache, batch, kernels)
+
+    monkeypatch.setattr(TorchAttention, "attend", spy)
+    llm = LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu", max_num_batched_tokens=8)
+    llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for order, lens in seen:
+        assert sorted(order) == list(range(len(lens)))
+        assert [lens[i] for i in order] == sorted(lens, reverse=True)
+    assert any(lens != sorted(lens, reverse=True) for _, lens in seen)  # reordered somewhere
+
+
 # --- host path ---------------------------------------------------------------------------------
 
 

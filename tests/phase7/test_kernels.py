@@ -293,6 +293,40 @@ def test_a_mixed_step_sends_its_leading_decodes_to_the_decode_kernel(monkeypatch
     assert decoded == [3]  # the first pass only, with its three decodes
 
 
+@interpreter
+def test_tuned_decode_attention_starts_the_longest_contexts_first(monkeypatch):
+    """Tuned, TritonAttention hands the decode kernel the batch's decode_order, and the kernel's
+    (split, head, rank) grid still gives every sequence its own output (the reference's);
+    untuned, batch order."""
+    from phase7_optim import kernels
+    from phase7_optim.attention import ForwardBatch, TritonAttention
+    from phase7_optim.config import KernelConfig
+
+    contexts = [40, 3, 17, 0, 29]
+    b = make_paged_batch([1] * 5, contexts, 4, 2, 32, 16, torch.float32, CPU)
+    args = (b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables)
+    expected = varlen_paged_attention_ref(*args, b.scale)
+    order = torch.argsort(b.seq_lens, descending=True).int()
+    assert order.tolist() != list(range(5))  # the order differs from the batch's
+    orders, decode = [], kernels.paged_decode_attention
+
+    def spy(*args, **kwargs):
+        orders.append(kwargs["order"])
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", spy)
+    for tuned in (True, False):
+        batch = ForwardBatch(
+            b.query_start_loc, b.seq_lens, torch.zeros(0), b.block_tables,
+            b.query_start_loc[1:] - 1, 1, max(b.seq_lens.tolist()), 16,
+            num_decodes=5, decode_order=order,
+        )  # fmt: skip
+        kernel_config = KernelConfig(tune_decode_attention=tuned)
+        out = TritonAttention().attend(b.q, b.k_cache, b.v_cache, batch, kernel_config)
+        assert_allclose(out, expected)
+    assert orders[0] is order and orders[1] is None
+
+
 def test_choose_num_splits_fills_the_gpu_without_tiny_splits():
     assert choose_num_splits(256, 8, 2048, num_sms=132) == 1  # the batch alone fills the SMs
     assert choose_num_splits(8, 8, 8192, num_sms=132) == 9  # a few long sequences: split
