@@ -28,10 +28,12 @@ parameters each step, sorts every row for top-k and draws with `torch.multinomia
 here one step's parameters are per-row tensors (`SamplingBatch`), rows that need no filter skip
 the sort, and the draw is the exponential race (Gumbel-max): argmax(probs / E) with
 E ~ Exponential(1) picks token i with probability probs[i], with no cumulative-sum search. With no
-filter at all it is one Triton pass over logits and noise (`kernels/sampling.py`). Greedy rows take
-the exact argmax of the logits; a seeded request draws its noise row from its own generator, so
-its tokens do not depend on what shares its batch. The result is a device tensor: the engine
-copies tokens to the host once per step.
+filter at all it is one Triton pass over the logits (`kernels/sampling.py`) that draws the noise
+itself (Philox), so the (R, V) fp32 noise tensor, twice the bf16 logits' bytes, is never written
+to memory and read back; the torch path (filters, CPU) still materializes it. Greedy rows take the
+exact argmax of the logits; a seeded request draws its noise row from its own generator on either
+path, so its tokens do not depend on what shares its batch. The result is a device tensor: the
+engine copies tokens to the host once per step.
 
 Phase 8 (what a server's clients ask for, as the OpenAI API names it):
 - penalties, applied to the logits before `sample_batch`, as batched tensor ops over the rows of
@@ -280,15 +282,11 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits (R, V) -> token ids (R,) int64, on the device: no host sync."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)
+    if logits.is_cuda and not (batch.any_min_p or batch.any_top_k_top_p):
+        return sample_by_race(logits, batch)  # no filter needs the probabilities
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
     for row, generator in batch.seeded:  # only seeded rows loop: one launch each
         noise[row].exponential_(generator=generator)
-    if logits.is_cuda and not (batch.any_min_p or batch.any_top_k_top_p):
-        # no filter needs the probabilities: one pass over logits and noise (kernels/sampling.py),
-        # which also clamps the noise
-        from .kernels.sampling import exponential_race  # here: CPU-only installs may lack Triton
-
-        return exponential_race(logits, noise, 1.0 / batch.temperature, batch.greedy)
     noise.clamp_min_(TINY)
     logits = logits.float()
     greedy_tokens = logits.argmax(dim=-1)
@@ -300,6 +298,27 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = top_k_top_p(probs, batch.top_k, batch.top_p)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(batch.greedy, greedy_tokens, sampled)
+
+
+def sample_by_race(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits (R, V) -> token ids (R,) int64: the exponential race in one Triton pass
+    (kernels/sampling.py), which draws the noise of unseeded rows itself. A seeded row's noise is
+    drawn here, from its request's generator, exactly as the torch path draws it (V values in one
+    call): the generator advances as it always has, and the row's token is what that noise
+    dictates, whatever shares the batch."""
+    # imported here: CPU-only installs may lack Triton
+    from .kernels.sampling import NO_NOISE_ROW, PHILOX_SEED_LIMIT, exponential_race
+
+    rows, vocab_size = logits.shape
+    noise = torch.empty(len(batch.seeded), vocab_size, dtype=torch.float32, device=logits.device)
+    noise_rows = [NO_NOISE_ROW] * rows
+    for i, (row, generator) in enumerate(batch.seeded):
+        noise[i].exponential_(generator=generator)
+        noise_rows[row] = i
+    noise_rows = torch.tensor(noise_rows, dtype=torch.int32).to(logits.device, non_blocking=True)
+    # from torch's CPU generator: no device sync, and torch.manual_seed replays unseeded runs
+    seed = int(torch.randint(PHILOX_SEED_LIMIT, ()))
+    return exponential_race(logits, 1.0 / batch.temperature, batch.greedy, seed, noise_rows, noise)
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -> torch.Tensor:

@@ -7,9 +7,16 @@ reading the model's weights.
 Idea: with E ~ Exponential(1) per token, argmax(probs / E) = argmax(logits / T - log E) (log is
 monotonic and the softmax's normalizer is the same for every token of a row), so without top-k,
 top-p or min-p no softmax is needed at all. The pass reads each row's logits (in the model's
-dtype) and noise once, and clamps the noise on the way (no separate pass for that); a greedy row
-ignores the noise and takes the exact argmax of its logits. The noise comes from torch, from each
-seeded request's own generator, so reproducibility is sampling.py's.
+dtype) once; a greedy row takes the exact argmax of its logits.
+
+The pass draws the noise itself: E = -log(u), u uniform from Philox, a counter-based generator
+(a (seed, counter) pair gives the same u in any program, in any order), so no (R, V) fp32 noise
+tensor is written and read back: at 256 rows that is 155 MB each way, twice the bf16 logits the
+pass exists to read. Philox-4x32 makes four 32-bit words per counter from ten rounds of
+multiplies, so four neighbouring tokens share a counter (`tl.rand4x`: `tl.rand` keeps one word
+of four and would do four times the integer work). The row of a seeded request is the exception:
+it reads its noise from `noise`, drawn by torch from the request's own generator (sampling.py), so
+its tokens are the ones that generator dictates, whatever shares its batch.
 
 The pass is spread over the vocabulary, like split-K in decode attention (paged_decode.py): one
 program per (row, chunk of `block` tokens) writes its chunk's best score and token, and a second,
@@ -19,8 +26,10 @@ spent 180 µs here at 256 rows, and 125 µs at 18, against ~55 µs of bytes).
 
 Invariants: ties go to the lowest token id, as `torch.argmax` (within a chunk by the index, across
 chunks because the merge takes the lowest index among the chunks that reach the maximum); noise
-below `TINY` counts as `TINY`; a row with no finite score (all NaN) gets token 0, never an id
-outside the vocabulary.
+below `TINY` counts as `TINY`, and so does a drawn u of 0 (probability 2**-31 a token), so every
+finite logit scores finite; a row with no finite score (all NaN) gets token 0, never an id
+outside the vocabulary; a row's drawn noise is a function of the seed, the row's index, V and
+`block` alone, never of what else the batch holds or of which program runs first.
 """
 
 import torch
@@ -29,13 +38,30 @@ import triton.language as tl
 
 VOCAB_BLOCK = 4096  # tokens per program: Qwen3's vocabulary is 38 chunks a row
 TINY = torch.finfo(torch.float32).tiny
+NO_NOISE_ROW = -1  # noise_rows entry of a row that reads no noise: the pass draws it (Philox)
+# Triton types an int argument by its value (int32 below 2**31, int64 above) and compiles a kernel
+# per type: seeds below this keep one kernel
+PHILOX_SEED_LIMIT = 2**31
 
 
 @triton.jit
+def _exponential_noise(seed, row, chunk, num_chunks, tiny, BLOCK: tl.constexpr):
+    """E ~ Exponential(1) for the chunk's BLOCK tokens: E = -log(u), u uniform in [0, 1)."""
+    QUARTER: tl.constexpr = BLOCK // 4
+    # one counter per four tokens, unique over (row, chunk): a row's noise depends only on the
+    # seed and the row's index in the batch, never on which program runs it or when
+    counter = (row * num_chunks + chunk) * QUARTER + tl.arange(0, QUARTER)
+    u0, u1, u2, u3 = tl.rand4x(seed, counter)
+    # token 4i + j of the chunk takes word j of counter i
+    u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK,))
+    return -tl.log(tl.maximum(u, tiny))  # u == 0 (p = 2**-31): E = 87, not inf
+
+
+@triton.jit(do_not_specialize=["seed"])
 def _exponential_race_kernel(
-    logits_ptr, noise_ptr, inv_temperature_ptr, greedy_ptr, best_ptr, best_idx_ptr,
-    stride_l, stride_n, vocab_size, num_chunks, tiny,
-    BLOCK: tl.constexpr,
+    logits_ptr, noise_ptr, noise_rows_ptr, inv_temperature_ptr, greedy_ptr, best_ptr,
+    best_idx_ptr, stride_l, stride_n, vocab_size, num_chunks, seed, tiny,
+    BLOCK: tl.constexpr, NO_NOISE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -44,7 +70,11 @@ def _exponential_race_kernel(
     x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf"))
     x = x.to(tl.float32)
     if tl.load(greedy_ptr + row) == 0:
-        e = tl.load(noise_ptr + row * stride_n + cols, mask=mask, other=1.0)
+        noise_row = tl.load(noise_rows_ptr + row).to(tl.int64)
+        if noise_row == NO_NOISE:
+            e = _exponential_noise(seed, row, chunk, num_chunks, tiny, BLOCK)
+        else:  # a seeded request's row, drawn by torch from its own generator
+            e = tl.load(noise_ptr + noise_row * stride_n + cols, mask=mask, other=1.0)
         x = x * tl.load(inv_temperature_ptr + row) - tl.log(tl.maximum(e, tiny))
     best = tl.max(x, 0)
     best_idx = tl.min(tl.where(x == best, cols, vocab_size), 0)  # first of the ties
@@ -67,15 +97,21 @@ def _race_merge_kernel(
 
 def exponential_race(
     logits: torch.Tensor,
-    noise: torch.Tensor,
     inv_temperature: torch.Tensor,
     greedy: torch.Tensor,
+    seed: int,
+    noise_rows: torch.Tensor,
+    noise: torch.Tensor,
     block: int = VOCAB_BLOCK,
 ) -> torch.Tensor:
-    """logits (R, V), noise (R, V) fp32, inv_temperature (R,) fp32, greedy (R,) bool -> token
-    ids (R,) int64. `block`: tokens per program (a power of two)."""
+    """logits (R, V), inv_temperature (R,) fp32, greedy (R,) bool -> token ids (R,) int64.
+
+    seed: a host int in [0, PHILOX_SEED_LIMIT), the key of this call's drawn noise. noise_rows (R,)
+    int32: the row of noise (S, V) fp32 that row reads, or NO_NOISE_ROW: the pass draws it.
+    `block`: tokens per program (a power of two, at least 4)."""
     rows, vocab_size = logits.shape
-    assert noise.shape == logits.shape and logits.stride(-1) == noise.stride(-1) == 1
+    assert noise_rows.shape == (rows,) and noise.shape[1:] == (vocab_size,)
+    assert logits.stride(-1) == noise.stride(-1) == 1 and 0 <= seed < PHILOX_SEED_LIMIT
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -83,9 +119,9 @@ def exponential_race(
     best = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _exponential_race_kernel[(rows, num_chunks)](
-        logits, noise, inv_temperature, greedy, best, best_idx,
-        logits.stride(0), noise.stride(0), vocab_size, num_chunks, TINY,
-        BLOCK=block,
+        logits, noise, noise_rows, inv_temperature, greedy, best, best_idx,
+        logits.stride(0), noise.stride(0), vocab_size, num_chunks, seed, TINY,
+        BLOCK=block, NO_NOISE=NO_NOISE_ROW,
     )  # fmt: skip
     _race_merge_kernel[(rows,)](
         best, best_idx, out, vocab_size, num_chunks,

@@ -2,7 +2,9 @@
 
 Checked statistically as in phase 2 (fixed seeds, chi-square at 99.9%), with many rows of the same
 logits in one batch standing in for many draws; greedy rows exactly; seeded rows independent of
-their batch.
+their batch. The race kernel (what CUDA runs without filters) runs under the Triton interpreter:
+exactly the torch formula on the noise it is given, its own Philox draws against softmax(logits /
+T), and seeded rows against their generators' draws.
 """
 
 import os
@@ -112,16 +114,29 @@ def test_no_sort_unless_a_row_needs_top_k_or_top_p():
     assert batch.all_greedy and not batch.any_top_k_top_p  # greedy ignores the filters
 
 
-@pytest.mark.skipif(
+needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter"
 )
-def test_exponential_race_kernel_is_the_torch_formula():
-    """kernels/sampling.py (what CUDA runs without filters) = argmax(logits / T - log E), and
-    the exact argmax on greedy rows, ties to the lowest id, across the programs a row is split
-    over too; the noise is clamped inside the pass."""
-    pytest.importorskip("triton")
-    from phase7_optim.kernels.sampling import exponential_race
 
+
+def race(logits, temperature, greedy, seed, noise_rows=None, noise=None, block=1024):
+    """kernels/sampling.py's pass; rows without a noise row draw their own."""
+    from phase7_optim.kernels.sampling import NO_NOISE_ROW, exponential_race
+
+    rows, vocab = logits.shape
+    if noise_rows is None:
+        noise_rows = torch.full((rows,), NO_NOISE_ROW, dtype=torch.int32)
+    if noise is None:
+        noise = torch.empty(0, vocab)
+    return exponential_race(logits, 1.0 / temperature, greedy, seed, noise_rows, noise, block)
+
+
+@needs_interpreter
+def test_exponential_race_kernel_is_the_torch_formula():
+    """Rows given noise (what seeded rows read) = argmax(logits / T - log E), and the exact
+    argmax on greedy rows, ties to the lowest id, across the programs a row is split over too;
+    each row reads the noise row `noise_rows` names; the noise is clamped inside the pass."""
+    pytest.importorskip("triton")
     torch.manual_seed(5)
     rows, vocab, block = 7, 5000, 1024  # five chunks a row, the last one masked
     logits = torch.randn(rows, vocab) * 3
@@ -136,9 +151,103 @@ def test_exponential_race_kernel_is_the_torch_formula():
     scores = logits / temperature[:, None] - noise.clamp_min(TINY).log()
     expected = torch.where(greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
     expected[6] = 0
-    got = exponential_race(logits, noise, 1.0 / temperature, greedy, block=block)
+    order = torch.tensor([3, 1, 6, 0, 5, 2, 4])  # row r reads noise row order[r]
+    got = race(logits, temperature, greedy, 0, order.int(), noise[order.argsort()], block)
     assert got.tolist() == expected.tolist()
     assert got[1] == 8 and got[2] == 10 and got[4] == 3000  # tiny noise wins its row
+
+
+@needs_interpreter
+def test_drawn_noise_samples_the_softmax():
+    """Rows that read no noise draw it in the pass (Philox): one draw per row, and the draws
+    follow softmax(logits / T), which neither the argmax nor a uniform draw nor T = 1 would."""
+    pytest.importorskip("triton")
+    rows, t = 200, 0.5  # chi-square against T = 1's distribution: ~40, critical 16.3
+    sharpened = PROBS ** (1 / t) / (PROBS ** (1 / t)).sum()
+    tokens = race(LOGITS.expand(rows, VOCAB).contiguous(), torch.full((rows,), t),
+                  torch.zeros(rows, dtype=torch.bool), seed=11, block=VOCAB)  # fmt: skip
+    assert chi_square_ok(counts_of(tokens), sharpened)
+
+
+@needs_interpreter
+def test_drawn_noise_is_keyed_by_seed_row_and_chunk():
+    """Same seed, same tokens; another seed, others. Flat logits make the winner the token with
+    the smallest noise: if rows shared their noise every row would pick the same token, and if
+    a row's chunks shared theirs the first chunk would win every tie."""
+    pytest.importorskip("triton")
+    rows, vocab, block = 8, 16, 4
+    flat, temperature = torch.zeros(rows, vocab), torch.ones(rows)
+    greedy = torch.zeros(rows, dtype=torch.bool)
+    first = race(flat, temperature, greedy, seed=1, block=block).tolist()
+    assert race(flat, temperature, greedy, seed=1, block=block).tolist() == first
+    assert race(flat, temperature, greedy, seed=2, block=block).tolist() != first
+    assert len(set(first)) > 1 and max(first) >= block
+
+
+@needs_interpreter
+def test_a_mixed_batch_routes_each_row():
+    """Greedy rows take the argmax, rows with a noise row follow that noise whatever the seed,
+    and drawn rows draw the same noise whatever their neighbours are."""
+    pytest.importorskip("triton")
+    from phase7_optim.kernels.sampling import NO_NOISE_ROW
+
+    torch.manual_seed(8)
+    rows, vocab, block = 6, 64, 16
+    logits, temperature = torch.randn(rows, vocab), torch.full((rows,), 0.5)
+    greedy = torch.tensor([True, False, False, False, True, False])
+    noise = torch.empty(2, vocab).exponential_()
+    noise_rows = torch.tensor([NO_NOISE_ROW, 1, NO_NOISE_ROW, 0, NO_NOISE_ROW, NO_NOISE_ROW])
+    noise_rows = noise_rows.int()
+    got = race(logits, temperature, greedy, 3, noise_rows, noise, block)
+    assert got[[0, 4]].tolist() == logits[[0, 4]].argmax(dim=-1).tolist()
+    scores = logits[[1, 3]] / 0.5 - noise[[1, 0]].log()
+    assert got[[1, 3]].tolist() == scores.argmax(dim=-1).tolist()
+    all_drawn = race(logits, temperature, torch.zeros(rows, dtype=torch.bool), 3, block=block)
+    assert got[[2, 5]].tolist() == all_drawn[[2, 5]].tolist()
+    assert race(logits, temperature, greedy, 4, noise_rows, noise, block)[[1, 3]].equal(got[[1, 3]])
+
+
+@needs_interpreter
+def test_the_race_draws_seeded_rows_as_the_torch_path_does():
+    """sample_by_race (what CUDA runs without filters) draws a seeded row's noise from its own
+    generator exactly as the torch path does (and as this pass did before it drew the rest
+    itself): V values a step, so the row's token is argmax(logits / T - log E) on that noise,
+    step after step. The pass's seed comes from torch's stream: torch.manual_seed replays the
+    unseeded rows."""
+    pytest.importorskip("triton")
+    from phase7_optim.sampling import sample_by_race
+
+    torch.manual_seed(9)
+    logits = torch.randn(4, 50)
+    params = [
+        SamplingParams(temperature=0.7, seed=21),
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, seed=22),
+    ]
+    seeded = [row for row, p in enumerate(params) if p.seed is not None]
+
+    def steps(n: int) -> list[list[int]]:
+        generators = [
+            None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params
+        ]
+        oracles = {row: torch.Generator().manual_seed(params[row].seed) for row in seeded}
+        batch = SamplingBatch.build(params, generators, 50, logits.device)
+        torch.manual_seed(10)
+        tokens = []
+        for _ in range(n):
+            tokens.append(sample_by_race(logits, batch).tolist())
+            for row, oracle in oracles.items():  # the torch path's draw, one row of V values
+                noise = torch.empty(50).exponential_(generator=oracle).clamp_min(TINY)
+                scores = logits[row] / params[row].temperature - noise.log()
+                assert tokens[-1][row] == scores.argmax()
+                assert torch.equal(generators[row].get_state(), oracle.get_state())
+            assert tokens[-1][2] == logits[2].argmax()
+        return tokens
+
+    first = steps(4)
+    assert steps(4) == first
+    assert len({t[1] for t in first}) > 1  # row 1 samples
 
 
 @pytest.mark.gpu
@@ -150,6 +259,29 @@ def test_gpu_sampled_distribution_through_the_kernel(temperature):
     tokens = draw(params, LOGITS.expand(2 * ROWS, VOCAB).cuda().bfloat16()).cpu()
     assert (tokens[1::2] == 1).all()  # greedy rows
     assert chi_square_ok(counts_of(tokens[0::2]), expected)
+
+
+@pytest.mark.gpu
+def test_gpu_seeded_rows_follow_their_generators_through_the_kernel():
+    """On CUDA, a seeded row's token is argmax(logits / T - log E) on the noise its own CUDA
+    generator gives (V values a step), beside unseeded rows the kernel draws for."""
+    torch.manual_seed(7)
+    rows, vocab, t = 8, 151_936, 0.5  # Qwen3's vocabulary: 38 programs a row; 1 / t is exact
+    logits = (torch.randn(rows, vocab, device="cuda") * 2).bfloat16()
+    seeds = [None if row % 2 else 100 + row for row in range(rows)]
+    params = [SamplingParams(temperature=t, seed=seed) for seed in seeds]
+
+    def generators() -> list[torch.Generator | None]:
+        return [None if s is None else torch.Generator("cuda").manual_seed(s) for s in seeds]
+
+    theirs, oracles = generators(), generators()
+    for _ in range(3):
+        tokens = draw(params, logits, theirs).tolist()
+        for row, oracle in enumerate(oracles):
+            if oracle is not None:
+                noise = torch.empty(vocab, device="cuda").exponential_(generator=oracle)
+                scores = logits[row].float() / t - noise.clamp_min(TINY).log()
+                assert tokens[row] == int(scores.argmax())
 
 
 def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():

@@ -1,11 +1,14 @@
 """Phase 8 sampling: penalties against their reference formula, logprobs against log_softmax,
-and the runner applying both around phase 7's batched sampler."""
+and the runner applying both around phase 7's batched sampler, which phase 8 carries unchanged."""
 
+import os
 import random
 
 import pytest
 import torch
 
+import phase7_optim.sampling
+import phase8_serving.sampling
 from phase8_serving.model_runner import ModelRunner, SampledTokens
 from phase8_serving.sampling import (
     SamplingParams,
@@ -241,3 +244,24 @@ def test_runner_counts_a_placeholder_for_penalties_and_min_tokens():
     # row 0 (placeholder 7): 7 is penalized to 4 and min_tokens is met, so EOS (5) wins;
     # row 1 (placeholder 9): 7 wins. Uncounted placeholders would give 7 in both rows.
     assert got == [3, 7]
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter"
+)
+def test_the_race_draws_as_phase7s():
+    """Phase 8 carries phase 7's exponential race unchanged (kernels/sampling.py is the same
+    file): the same rows, generators and torch seed give the same tokens, step after step."""
+    pytest.importorskip("triton")
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
+    temperatures, seeds = [0.7, 0.9, 0.0, 1.3], [21, None, None, 22]
+
+    def tokens(sampling) -> list[list[int]]:
+        params = [sampling.SamplingParams(temperature=t, seed=s)
+                  for t, s in zip(temperatures, seeds, strict=True)]  # fmt: skip
+        generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        batch = sampling.SamplingBatch.build(params, generators, VOCAB, logits.device)
+        torch.manual_seed(5)
+        return [sampling.sample_by_race(logits, batch).tolist() for _ in range(3)]
+
+    assert tokens(phase8_serving.sampling) == tokens(phase7_optim.sampling)
