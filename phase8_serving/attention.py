@@ -46,7 +46,7 @@ batch, has slot_mapping PAD_SLOT_ID (-1: nothing is written) and seq_len 0 (noth
 output is 0); block-table entries past a sequence's last block are never read.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import pairwise
 from typing import TYPE_CHECKING
@@ -85,6 +85,9 @@ class ForwardBatch:
     max_seq_len: int
     block_size: int
     num_decodes: int = 0  # the first num_decodes sequences bring one new token each (host int)
+    # (num_decodes,) int: those decodes, longest context first (the order the decode kernel starts
+    # them in, kernels/paged_decode.py); None: batch order
+    decode_order: torch.Tensor | None = None
 
     @cached_property
     def attention_groups(self) -> list["AttentionGroup"]:
@@ -219,10 +222,13 @@ class TritonAttention:
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         scale = q.shape[-1] ** -0.5
         config = self.kernels.default_decode_config(q.device, kernels.tune_decode_attention)
+        config = replace(config, pdl=config.pdl and kernels.programmatic_launch)
+        order = batch.decode_order if config.longest_first else None
         if batch.max_query_len == 1:  # decode-only step: one query per sequence
             return self.kernels.paged_decode_attention(
-                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, config=config
-            )
+                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, config=config,
+                order=order,
+            )  # fmt: skip
         # A mixed step: its leading decodes (tokens 0 … d - 1) go to the decode kernel. In the
         # prefill kernel a decode fills one row of each head's BLOCK_M-row tile and reads its
         # whole context in one program: W's first steps (prompts beside up to 230 decodes) spent
@@ -231,7 +237,7 @@ class TritonAttention:
         if d:
             self.kernels.paged_decode_attention(
                 q[:d], k_cache, v_cache, batch.seq_lens[:d], batch.block_tables[:d], scale,
-                config=config, out=out[:d],
+                config=config, out=out[:d], order=order,
             )  # fmt: skip
         return self.kernels.flash_attn_varlen_paged(
             q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
@@ -334,5 +340,5 @@ class Attention(nn.Module):
         (q_weight, eps), (k_weight, _) = norm_gain(self.q_norm), norm_gain(self.k_norm)
         return qk_norm_rope_store(
             q, k, v, q_weight, k_weight, self.rotary.cos, self.rotary.sin, positions, eps,
-            k_cache, v_cache, batch.slot_mapping,
+            k_cache, v_cache, batch.slot_mapping, pdl=self.kernels.programmatic_launch,
         )  # fmt: skip

@@ -66,8 +66,8 @@ class KernelConfig:
     tune_decode_attention: bool = True  # decode attention's W-tuned launch (kernels/paged_decode)
     gemv_max_batch: int = 8  # linears of at most this many rows run the GEMV kernel; 0: never
     fuse_silu_into_gemv: bool = True  # the down projection's GEMV computes SiLU-and-mul as it loads
-    # Programmatic dependent launch (Hopper on): a GEMV starts while the kernel before it ends and
-    # loads its weights before it waits for that kernel's output (kernels/gemv.py)
+    # Programmatic dependent launch (Hopper on, kernels/pdl.py): each Triton kernel of a decode step
+    # starts while the kernel before it ends; a GEMV loads its weights before it waits
     programmatic_launch: bool = True
     # Run the Triton kernels on CPU tensors as well, through Triton's interpreter: slow, for
     # stepping through the kernels and for the tests that count a step's launches.

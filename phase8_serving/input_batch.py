@@ -124,6 +124,7 @@ class StepInputs:
         self.seq_lens, self.seq_lens_d = self._buffer("seq_lens", max_seqs)
         self.logits_indices, self.logits_indices_d = self._buffer("logits_indices", max_seqs)
         self.block_tables, self.block_tables_d = self._buffer("block_tables", max_seqs, max_blocks)
+        self.decode_order, self.decode_order_d = self._buffer("decode_order", max_seqs)
         # Overlap scheduling, rank 0's own (the ranks receive input ids with them filled in):
         # where in input_ids each placeholder goes, and its row in the previous step's sampled ids
         self.placeholder_indices, self.placeholder_indices_d = self._buffer(
@@ -152,7 +153,7 @@ class StepInputs:
             ("input_ids", np.s_[:num_tokens]), ("positions", np.s_[:num_tokens]),
             ("slot_mapping", np.s_[:num_tokens]), ("query_start_loc", np.s_[: num_seqs + 1]),
             ("seq_lens", np.s_[:num_seqs]), ("logits_indices", np.s_[:num_sampled]),
-            ("block_tables", np.s_[:num_seqs, :width]),
+            ("block_tables", np.s_[:num_seqs, :width]), ("decode_order", np.s_[:num_seqs]),
         )  # fmt: skip
         return [(self.pairs[name][0][rows], self.pairs[name][1][rows]) for name, rows in views]
 
@@ -185,6 +186,7 @@ class StepInputs:
             max_seq_len=max_seq_len,
             block_size=self.block_size,
             num_decodes=num_decodes,
+            decode_order=self.decode_order_d[:num_decodes],
         )
 
 

@@ -41,6 +41,6 @@ class MLP(nn.Module):
         if self.kernels.use_triton(x):  # one fused kernel instead of three (kernels/fused.py)
             from .kernels.fused import silu_and_mul  # here: CPU-only installs may lack Triton
 
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.down_proj(silu_and_mul(gate_up, self.kernels.programmatic_launch))
         gate, up = gate_up.chunk(2, dim=-1)  # (N, I / size) each
         return self.down_proj(F.silu(gate) * up)

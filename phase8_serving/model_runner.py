@@ -205,9 +205,9 @@ class ModelRunner:
         inp.placeholder_indices[: len(fed)] = qsl[1:][fed] - 1  # the sequence's last input
         inp.prev_sampled_rows[: len(fed)] = fed_rows
         batch = None
+        ones = num_new == 1  # the leading ones are the decodes the decode kernel takes
+        num_decodes = S if ones.all() else int(ones.argmin())
         if graph_batch_size is None:
-            ones = num_new == 1  # the leading ones are the decodes the decode kernel takes
-            num_decodes = S if ones.all() else int(ones.argmin())
             batch = inp.forward_batch(
                 S, N, num_sampled, int(num_new.max()), int(ends.max()), width, num_decodes
             )
@@ -217,6 +217,10 @@ class ModelRunner:
         tokens, rows, sampled = step.buffer_rows
         if rows > S:  # padded rows S..rows-1 write nowhere and read nothing
             self._pad(S, rows, N)
+        # The decode kernel starts the longest contexts first (kernels/paged_decode.py); a graph's
+        # padded rows (seq_len 0) come last.
+        decodes = rows if graph_batch_size is not None else num_decodes
+        inp.decode_order[:decodes] = np.argsort(-inp.seq_lens[:decodes], kind="stable")
         inp.copy_to_device(tokens, rows, sampled, width, len(fed))
         return step
 

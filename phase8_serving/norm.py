@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
             from .kernels.fused import fused_add_rms_norm  # here: CPU-only installs lack Triton
 
             # the kernel adds into `residual` in place: callers use the returned stream only
-            return fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+            pdl = self.kernels.programmatic_launch
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, pdl), residual
         residual = x + residual
         return self._norm(residual), residual
 
@@ -44,7 +45,7 @@ class RMSNorm(nn.Module):
         if self.kernels.use_triton(x):  # one fused kernel instead of seven (kernels/fused.py)
             from .kernels.fused import rms_norm  # here: CPU-only installs may lack Triton
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.kernels.programmatic_launch)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

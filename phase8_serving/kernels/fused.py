@@ -56,13 +56,14 @@ def _rms_norm_kernel(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of `x` (..., C) -> same shape and dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (..., C) -> same shape and dtype. `pdl`: launched with
+    programmatic dependent launch where the GPU has it (kernels/pdl.py)."""
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols)
     assert x2.stride(-1) == 1 and weight.shape == (n_cols,)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    pdl = supports_pdl(x.device)
+    pdl = pdl and supports_pdl(x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), n_cols, eps,
@@ -95,14 +96,14 @@ def _fused_add_rms_norm_kernel(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True
 ) -> torch.Tensor:
     """residual += x (in place), then RMSNorm of it -> a new tensor; x, residual (N, C) alike."""
     n_rows, n_cols = residual.shape
     assert x.shape == residual.shape and x.dtype == residual.dtype and weight.shape == (n_cols,)
     assert x.stride(-1) == residual.stride(-1) == 1
     out = torch.empty_like(residual)
-    pdl = supports_pdl(x.device)
+    pdl = pdl and supports_pdl(x.device)
     if n_rows:
         _fused_add_rms_norm_kernel[(n_rows,)](
             x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n_cols, eps,
@@ -126,12 +127,12 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x (N, 2 * I) = [gate | up] -> silu(gate) * up, (N, I)."""
     n_rows, n_cols = x.shape[0], x.shape[1] // 2
     assert x.stride(-1) == 1 and x.shape[1] == 2 * n_cols
     out = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
-    pdl = supports_pdl(x.device)
+    pdl = pdl and supports_pdl(x.device)
     if n_rows:
         grid = (n_rows, triton.cdiv(n_cols, SILU_BLOCK))
         _silu_and_mul_kernel[grid](
@@ -264,6 +265,7 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """q (N, H, D), k and v (N, Hkv, D): `qk_norm_rope` of q and k, with k and v stored into the
     paged caches at `slot_mapping` (N,) in the same launch -> the rotated q, (N, H, D)."""
@@ -276,7 +278,7 @@ def qk_norm_rope_store(
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos.stride() == sin.stride()
     assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    pdl = supports_pdl(q.device)
+    pdl = pdl and supports_pdl(q.device)
     if n_tokens:
         norm = q_weight is not None
         _qk_norm_rope_store_kernel[(n_tokens,)](

@@ -17,6 +17,12 @@ Idea (vLLM's PagedAttention v2, FlashDecoding):
   With a single split the program normalizes and stores the output itself: no merge launch.
 - the key loop is `attn_tiles` (online_softmax.py), the prefill kernel's loop, with this
   kernel's rows being the query heads of one KV head.
+- longest first: a program's work is its sequence's context over num_splits, and W's contexts
+  span 100-2,000 tokens, so in batch order a long sequence whose programs start last finishes
+  alone while most SMs idle (the tail of the launch). Given `order` (the sequences sorted by
+  context, longest first, which the model runner computes on the host with the other inputs),
+  the grid runs (split, KV head, rank) and programs start in that order: the longest-processing-
+  time-first rule of scheduling, which leaves only short programs for the end.
 
 Tuning (`DecodeConfig`, `tuned` vs `baseline`) is measured at workload W's mix, contexts of
 100-2,000 tokens at batch 1-256, inside CUDA graphs (benchmarks/phase7_kernels.py).
@@ -30,6 +36,7 @@ Invariants:
   spreads a short one over all its splits; a split past the end of a sequence (one shorter than
   num_splits key tiles) is empty, writes lse = -inf and gets weight 0.
 - lse is in log2 units, like the scores (scale is pre-multiplied by log2(e)).
+- `order` is a permutation of the batch: it changes when programs start, never what they compute.
 """
 
 from dataclasses import dataclass
@@ -58,6 +65,7 @@ class DecodeConfig:
     min_tokens_per_split: int = 256  # below this a split's partial-output traffic stops paying
     direct_single_split: bool = False  # one split: store the output, skip the merge kernel
     pdl: bool = False  # programmatic dependent launch: start while the kernel before finishes
+    longest_first: bool = False  # the caller's `order` is used: longest contexts start first
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n != triton.next_power_of_2(self.block_n):
@@ -74,18 +82,22 @@ BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 # stream's 512-768 tokens in 16 splits, not 4: 4.4 µs a layer, not 7.8); (64, 4, 3) was the best
 # tile overall. Batch 8 loses (33 splits are too many for its contexts).
 # 2026-12-02, same sweep: two pipeline stages, not three, read faster at every batch of W's mix
-# (batch 256 3,939 vs 3,912 GB/s, 128 3,699 vs 3,656, 48 3,177 vs 3,088: a third stage only
-# holds more registers and shared memory, fewer programs per SM); and launched with programmatic
-# dependent launch, like every kernel of the decode path (kernels/pdl.py).
+# (batch 256 3,939 vs 3,912 GB/s, 128 3,699 vs 3,656, 48 3,177 vs 3,088); launched with
+# programmatic dependent launch, like every kernel of the decode path (kernels/pdl.py); and
+# longest contexts first, which also wants fewer programs per SM (8: batch 256 one split, 128 two):
+# W's mix at batch 256 / 128 / 64 / 16 took 262 / 150 / 82 / 28 µs a layer in batch order, 236 /
+# 136 / 76 / 26 longest first (4,381 GB/s at 256: 97 % of what a pure read reaches, 4.5 TB/s).
 TUNED_DECODE_CONFIG = DecodeConfig(
-    block_n=64, num_warps=4, num_stages=2, programs_per_sm=16, min_tokens_per_split=64,
-    direct_single_split=True, pdl=True,
+    block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, min_tokens_per_split=64,
+    direct_single_split=True, pdl=True, longest_first=True,
 )  # fmt: skip
 
 
 def default_decode_config(device: torch.device, tuned: bool = True) -> DecodeConfig:
     if device.type != "cuda":  # the interpreter: small tiles keep the CPU tests quick
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned)
+        return DecodeConfig(
+            block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned, longest_first=tuned
+        )
     return TUNED_DECODE_CONFIG if tuned else BASELINE_DECODE_CONFIG
 
 
@@ -106,6 +118,7 @@ def _paged_decode_split_kernel(
     v_cache_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    order_ptr,
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
@@ -129,15 +142,20 @@ def _paged_decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: part_out_ptr is the output, (seq, head) rows, its dtype
+    ORDERED: tl.constexpr,  # grid (split, head, rank): the rank-th sequence is order[rank]
     PDL: tl.constexpr,
 ):
     launch_dependents(PDL)  # the merge (or o_proj's GEMV) may be scheduled as this one drains
     wait_for_previous(PDL)  # q and the newest key are the previous kernel's writes
-    seq = tl.program_id(0)
+    if ORDERED:  # programs start in grid order: every program of the longest sequence first
+        split, num_splits = tl.program_id(0), tl.num_programs(0)
+        seq = tl.load(order_ptr + tl.program_id(2))
+    else:
+        split, num_splits = tl.program_id(2), tl.num_programs(2)
+        seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * tokens_per_split
     hi = tl.minimum(seq_len, lo + tokens_per_split)
 
@@ -224,6 +242,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[num_seqs, H, D]`, over its paged context.
 
@@ -232,6 +251,8 @@ def paged_decode_attention(
     num_splits: None picks one from the batch and `max_blocks_per_seq * block_size` (an upper
     bound on the context read without a device sync).
     out: where to write (q's shape and dtype), else a new tensor. Returns it.
+    order: int32 `[num_seqs]`, a permutation of the sequences, longest context first: their
+    programs start in that order (None: batch order).
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -262,8 +283,12 @@ def paged_decode_attention(
         part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
     group = num_heads // num_kv_heads
     pdl = config.pdl and supports_pdl(q.device)
-    _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse,
+    ordered = order is not None
+    assert not ordered or order.shape == (num_seqs,)
+    grid = (num_splits, num_kv_heads, num_seqs) if ordered else (num_seqs, num_kv_heads, num_splits)
+    _paged_decode_split_kernel[grid](
+        q, k_cache, v_cache, seq_lens, block_tables, order if ordered else seq_lens,
+        part_out, part_lse,
         scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -277,6 +302,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         DIRECT=direct,
+        ORDERED=ordered,
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -78,21 +78,23 @@ def test_logprobs_change_no_token(spread_dir):
 
 def test_mixed_steps_count_the_same_leading_decodes_as_phase7(spread_dir, monkeypatch):
     """Phase 8's runner carries phase 7's mixed-step routing: in every eager step it hands
-    attention the same `num_decodes` (the decodes the decode kernel takes on CUDA), and some of
-    those steps mix decodes with a prompt chunk."""
+    attention the same `num_decodes` (the decodes the decode kernel takes on CUDA) in the same
+    order (`decode_order`, longest context first), and some of those steps mix decodes with a
+    prompt chunk."""
     seen = {}
     for module in (phase7_optim, phase8_serving):
         backend = module.attention.TorchAttention
         attend, counts = backend.attend, seen.setdefault(module.__name__, [])
 
         def spy(self, q, k_cache, v_cache, batch, kernels, attend=attend, counts=counts):
-            counts.append((batch.num_decodes, batch.query_start_loc.diff().tolist()))
+            order = batch.decode_order.tolist()  # the decode kernel's longest-first order
+            counts.append((batch.num_decodes, order, batch.query_start_loc.diff().tolist()))
             return attend(self, q, k_cache, v_cache, batch, kernels)
 
         monkeypatch.setattr(backend, "attend", spy)
         outputs(module, spread_dir, ENGINE_CONFIGS["tiny_chunks"], temperature=0.0)
     assert seen["phase7_optim"] == seen["phase8_serving"]
-    assert any(0 < d < len(q_lens) for d, q_lens in seen["phase8_serving"])
+    assert any(0 < d < len(q_lens) for d, _, q_lens in seen["phase8_serving"])
 
 
 def test_decode_path_kernels_are_phase7s_and_launched_alike():
