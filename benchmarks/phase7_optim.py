@@ -25,6 +25,9 @@ Run (CUDA machine): python -m benchmarks.phase7_optim [--quick] [--ablation] [--
 `--w-kernels-only`: W once, then again with torch.profiler on over `W_KERNEL_WINDOWS` (windows of
 its steps, from the prompts down to the last few sequences): per window GPU µs per kernel kind and
 the share of the span the GPU sat idle (phase7_w_kernels.json).
+`--ab-only LABEL`: W three times on one engine, then single stream (phase7_optim_ab_LABEL.json).
+Runs of one engine spread by ±1.5 % between device instances, more than one change is worth: run
+it from a checkout of each commit in turn, on one device, alternating (old, new, old, new).
 """
 
 import argparse
@@ -524,6 +527,26 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+AB_PASSES = 3  # W's first pass on a fresh engine runs 1-2 % slower than the next ones
+
+
+def ab_label(label: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,40}", label):
+        raise argparse.ArgumentTypeError(f"a label is letters, digits, _ or -, got {label!r}")
+    return label
+
+
+def ab_row(checkpoint: Path, workload: list[Request]) -> dict:
+    """W `AB_PASSES` times on one engine, then single stream on its own engine."""
+    llm = make_llm(checkpoint, workload)
+    passes = [throughput(llm, workload)["tok_s"] for _ in range(AB_PASSES)]
+    del llm
+    torch.cuda.empty_cache()
+    single = single_stream(checkpoint, enforce_eager=False)["ms_per_token"]
+    print(f"W {', '.join(f'{p:.0f}' for p in passes)} tok/s, single {single:.3f} ms", flush=True)
+    return {"w_tok_s": passes, "single_stream_ms_per_token": single}
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --quick: the first 64 requests of W, no phase 6/transformers baselines
     parser = benchmark_parser(__doc__, threads=False)
@@ -535,6 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--levers", default=",".join(LEVERS), help="comma-separated ablation rows (LEVERS' keys)"
+    )
+    parser.add_argument(
+        "--ab-only",
+        metavar="LABEL",
+        type=ab_label,
+        help="only W x3 and single stream, for an A/B between checkouts (phase7_optim_ab_LABEL)",
     )
     parser.add_argument(
         "--w-kernels-only",
@@ -562,6 +591,11 @@ def main():
             result["phase7_w"] = throughput(llm, w)
             result["windows"] = profile_w_kernels(llm, w)
         write_result("phase7_w_kernels", result, args.out)
+        return
+    if args.ab_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            result.update(ab_row(save_checkpoint(Path(tmp), qwen3_tokenizer_dir()), w))
+        write_result(f"phase7_optim_ab_{args.ab_only}", result, args.out)
         return
     if args.ablation_only:
         result["workload"] = {"w": f"{len(w)} requests of workload W", "quick": args.quick}
