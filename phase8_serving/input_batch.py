@@ -134,6 +134,8 @@ class StepInputs:
             "prev_sampled_rows", max_seqs, dtype=torch.long
         )
         self.slot_mapping_d.fill_(PAD_SLOT_ID)  # graph capture and warm-up write nothing
+        self.decode_order[:] = np.arange(max_seqs)  # ... and their decode order is a permutation
+        self.decode_order_d.copy_(torch.from_numpy(self.decode_order))
         # The host buffers are rewritten next step; the copies reading them must be done by then.
         self.copied = torch.cuda.Event() if self.on_gpu else None
 

@@ -105,6 +105,8 @@ def test_padded_decode_rows_write_nowhere_and_read_nothing(
               lm_head_graph_max_batch=lm_head_graph_max_batch)  # fmt: skip
     llm = with_kernels(llm)
     runner = llm.engine.runner
+    # before any step (what graph capture and warm-up run on) the decode order is a permutation
+    assert runner.inputs.decode_order.tolist() == list(range(8))
     scheduled = decode_step(llm)
     eager = runner.forward(runner.prepare(scheduled))  # writes this step's K/V
     cache = [t.clone() for t in runner.kv_cache.k + runner.kv_cache.v]
@@ -114,6 +116,8 @@ def test_padded_decode_rows_write_nowhere_and_read_nothing(
     assert step.graph_batch_size == 8
     inputs = runner.inputs
     assert (inputs.slot_mapping[3:8] == PAD_SLOT_ID).all() and (inputs.seq_lens[3:8] == 0).all()
+    order = inputs.decode_order[:8].tolist()
+    assert sorted(order[:3]) == [0, 1, 2] and sorted(order[3:]) == [3, 4, 5, 6, 7]  # padding last
     with torch.inference_mode():
         padded = runner._decode_forward(8)  # what a graph of bucket 8 replays, all 8 rows
         logits = runner.forward(step)  # the replay, then the LM head where it is not captured
