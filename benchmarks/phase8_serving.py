@@ -31,6 +31,9 @@ writes phase8_serving_ceiling.json. `--dashboard-only PAIRS`: the dashboard's co
 more alternating runs than the full run's 2 + 2 (the tuned server; phase8_serving_dashboard.json).
 `--admission-only LOADS`: admission alone, on any machine: W's prompts with `max_tokens` 1
 through the stub server LOADS times, the server's CPU per request (phase8_serving_admission.json).
+`--data-parallel-only SIZES` (e.g. 1,2; one GPU per engine core): the tuned server at each
+`--data-parallel-size`, W streamed twice (the first load warms a fresh server), and `dp_speedup`,
+each size's second load over the first size's (phase8_serving_dp.json; goal at 2: >= 1.8).
 """
 
 import argparse
@@ -392,6 +395,31 @@ def serve_command(checkpoint: Path, device: str, flags: dict) -> list[str]:
     return command
 
 
+def parallel_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes are integers >= 1, comma-separated, got {text!r}")
+    return sizes
+
+
+def run_data_parallel(model: Path, device: str, flags: dict, workload, sizes) -> dict:
+    """The tuned server at each data-parallel size: W streamed twice at saturation, the second
+    load timed (a fresh server's first is its slowest); the speed-up of each over the first."""
+    rows = {}
+    for size in sizes:
+        print(f"served, tuned flags, --data-parallel-size {size} ...")
+        command = serve_command(model, device, {**flags, "data_parallel_size": size})
+        warm_up, timed = serve_runs(command, workload, [(True, math.inf)] * 2)
+        rows[size] = {"warm_up_output_tok_s": warm_up["output_tok_s"], "stream_saturation": timed}
+    base = rows[sizes[0]]["stream_saturation"]["output_tok_s"]
+    speedup = {size: row["stream_saturation"]["output_tok_s"] / base for size, row in rows.items()}
+    print("  speed-up over size", sizes[0], {s: round(x, 2) for s, x in speedup.items()})
+    return {"data_parallel": rows, "dp_speedup": speedup}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(__doc__, threads=False)
     parser.add_argument("--tokenizer-dir", type=Path, default=None,
@@ -405,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admission-only", type=int, metavar="LOADS", default=0,
                         help="only admission: W's prompts with max_tokens 1 through the stub "
                         "server LOADS times; the server's CPU per request")  # fmt: skip
+    parser.add_argument("--data-parallel-only", type=parallel_sizes, metavar="SIZES",
+                        default=None, help="only data parallelism: the tuned server at each "
+                        "--data-parallel-size in SIZES (e.g. 1,2), W streamed twice")  # fmt: skip
     parser.add_argument("--serve-stub", nargs=2, metavar=("CHECKPOINT", "PORT"),
                         help=argparse.SUPPRESS)  # fmt: skip
     return parser
@@ -510,6 +541,13 @@ def main() -> None:
     if args.dashboard_only:
         payload |= run_dashboard_only(args, device, flags, workload)
         write_result("phase8_serving_dashboard" + "_quick" * quick, payload, args.out)
+        return
+    if args.data_parallel_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = write_checkpoint(Path(tmp) / "model", TINY if quick else QWEN3_0_6B,
+                                     args.tokenizer_dir)  # fmt: skip
+            payload |= run_data_parallel(model, device, flags, workload, args.data_parallel_only)
+        write_result("phase8_serving_dp" + "_quick" * quick, payload, args.out)
         return
     if args.admission_only:
         with tempfile.TemporaryDirectory() as tmp:

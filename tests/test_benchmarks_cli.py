@@ -69,3 +69,15 @@ def test_a_result_holding_an_engine_config_is_written(tmp_path):
     written = json.loads(path.read_text())
     assert written["engine_config"]["preemption_mode"] == config["preemption_mode"].value
     assert written["model"] == str(tmp_path)
+
+
+def test_serving_benchmark_takes_data_parallel_sizes(capsys):
+    from benchmarks import phase8_serving
+
+    parser = phase8_serving.build_parser()
+    assert parser.parse_args(["--data-parallel-only", "1,2"]).data_parallel_only == [1, 2]
+    assert parser.parse_args([]).data_parallel_only is None
+    for bad in ("0,2", "two", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--data-parallel-only", bad])
+        assert "sizes are integers >= 1" in capsys.readouterr().err
