@@ -19,8 +19,9 @@ Invariants:
 - no watcher, no snapshot: snapshots are taken only between `WatchEngine(True)` and
   `WatchEngine(False)` (or the next front end's `Hello`), each at least `snapshot_interval_s`
   after the one before and late enough that they take at most `MAX_SNAPSHOT_DUTY` of the
-  core's time; a watcher never stays on a state the engine has left (a core that goes idle
-  sends the snapshot it owes when it is due);
+  core's time (its CPU time: a core descheduled mid-snapshot on a busy host is not held to
+  seconds without frames); a watcher never stays on a state the engine has left (a core that
+  goes idle sends the snapshot it owes when it is due);
 - a failing step fails the requests in flight (finish reason "error") and the loop goes on;
 - a core started by a front end exits when that front end's process is gone; a core started on
   its own serves whichever front end said `Hello` last, and drops the requests of the one before.
@@ -255,9 +256,9 @@ class EngineCore:
         take at most `MAX_SNAPSHOT_DUTY` of the core's time."""
         if not self.snapshot_owed or now < self.next_snapshot_at:
             return None
-        start = time.perf_counter()
+        start = time.thread_time()  # CPU time: waiting for a core of the host costs nothing here
         picture = self.spec.snapshot(self.engine)
-        cost_s = time.perf_counter() - start
+        cost_s = time.thread_time() - start
         picture = {**picture, "cost_s": cost_s, "step_num_tokens": self.step_num_tokens}
         self.step_num_tokens = []
         self.snapshot_owed = False

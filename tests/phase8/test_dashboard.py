@@ -246,6 +246,25 @@ def test_a_costly_snapshot_is_taken_less_often(tiny_dir, offline_engine):
     assert core._snapshot(now + 100 * wait) is None, "unwatched again"
 
 
+def test_a_snapshot_descheduled_midway_costs_only_its_cpu_time(tiny_dir, offline_engine):
+    """A core that waits 50 ms for the host's CPU inside a snapshot (a busy 2-core machine) is
+    charged the snapshot's CPU time: at 0.25 % duty, wall time would hold the next frame back 20 s,
+    and a page would stay on one state for the rest of a run."""
+
+    def descheduled(engine):
+        time.sleep(0.05)
+        return engine_snapshot(engine)
+
+    spec = replace(tiny_core_spec(tiny_dir), snapshot=descheduled)
+    core = EngineCore(offline_engine, spec, socket=None)
+    core._handle(WatchEngine(True))
+    now = time.monotonic()
+    snapshot = core._snapshot(now)
+    assert snapshot["cost_s"] < 0.05
+    core._handle(AbortRequests([]))
+    assert core._snapshot(now + 2 * spec.snapshot_interval_s) is not None
+
+
 def test_disable_dashboard(dashboard_server):
     _, llm = dashboard_server
     app = build_app(llm, ServerConfig(MODEL_NAME, MAX_MODEL_LEN, enable_dashboard=False))
