@@ -15,7 +15,8 @@ weights' values) with the real Qwen3 tokenizer files beside it:
    of config.KernelConfig), the engine with that one lever off, W's tok/s and single-stream
    ms/token, and what one decode step launches (torch.profiler, at batch 1 and 64): kernels per
    step and GPU µs per kernel kind. The all-on row is the same engine as 1. and 3.
-Targets: W >= 20,000 output tok/s, single stream <= 1.0 ms/token; where short, the JSON says by
+Targets: W >= 24,000 output tok/s (66 % of its byte floor; the next mark is 30,000), single stream
+<= 1.0 ms/token (the next mark 0.7); where short, the JSON says by
 how much and what bounds it.
 
 Writes phase7_optim.json and phase7_optim.png into --out (`--ablation-only`:
@@ -58,7 +59,7 @@ from benchmarks.phase6_qwen3_gpu import (
 )
 from phase7_optim.engine import RequestOutputKind
 
-TARGET_TOK_S = 20_000
+TARGET_TOK_S = 24_000  # (20,000 until 2026-12-02: runs before judged against that)
 TARGET_MS_PER_TOKEN = 1.0
 COPY_BANDWIDTH = 4.252e12  # bytes/s, measured on the lent H200 (the repository README's GPU facts)
 BLOCK_SIZE = 16
