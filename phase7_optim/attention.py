@@ -222,7 +222,8 @@ class TritonAttention:
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         scale = q.shape[-1] ** -0.5
         config = self.kernels.default_decode_config(q.device, kernels.tune_decode_attention)
-        config = replace(config, pdl=config.pdl and kernels.programmatic_launch)
+        if config.pdl and not kernels.programmatic_launch:  # a new config only for the lever
+            config = replace(config, pdl=False)
         order = batch.decode_order if config.longest_first else None
         if batch.max_query_len == 1:  # decode-only step: one query per sequence
             return self.kernels.paged_decode_attention(
