@@ -57,6 +57,7 @@ class ForwardBatch:
     max_query_len: int  # host-side maxima: shapes without a device sync
     max_seq_len: int
     block_size: int
+    state_slots: torch.Tensor | None = None  # (S,) int: each sequence's state pool slot (hybrid)
 
     @cached_property
     def attention_groups(self) -> list["AttentionGroup"]:

@@ -24,9 +24,12 @@ any of the checkpoint's EOS ids or at a stop string (the text is cut before it),
 `LLM.chat` renders conversations with the checkpoint's chat template. Streamed text only grows:
 a step's output holds back the last len(stop) - 1 characters that could still begin a stop
 string (vLLM's rule) and any unfinished multi-byte character, so text already shown never changes.
+A hybrid model (Qwen3.5) runs with prefix caching off: a cached block would give back keys and
+values, but not the DeltaNet state after them, which only a full recompute rebuilds.
 """
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from .default_model import default_model_dir
 from .loader import load_model, resolve_device, resolve_dtype
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner
+from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
@@ -49,6 +53,8 @@ from .trace import StepTrace
 
 Prompt = str | list[int]  # text, or token ids
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,7 +96,7 @@ def check_optional(name: str, value: object, cls: type) -> None:
 class LLMEngine:
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
+        model: Qwen3ForCausalLM | Qwen3_5ForCausalLM,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
         trace: StepTrace | None = None,
@@ -104,8 +110,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids
         self.trace = trace
+        prefix_caching = self.config.enable_prefix_caching
+        if prefix_caching and is_hybrid(model.config):
+            logger.warning(
+                "prefix caching is off for this hybrid model: its DeltaNet state cannot be "
+                "restored from cached KV blocks"
+            )
+            prefix_caching = False
         self.block_manager = BlockManager(
-            self.config.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching,
+            self.config.num_kv_blocks, self.config.block_size, prefix_caching,
             self.config.num_cpu_kv_blocks,
         )  # fmt: skip
         self.scheduler = Scheduler(self.config, self.block_manager)
@@ -191,6 +204,8 @@ class LLMEngine:
             raise
 
     def _run(self, out: SchedulerOutput, start: float) -> list[RequestOutput]:
+        for seq in out.preempted:
+            self.runner.preempt(seq)
         self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         # A step may run nothing (every running sequence was preempted); the trace still records
         # it.
