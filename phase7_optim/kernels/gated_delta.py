@@ -326,7 +326,10 @@ def _chunk_output_kernel(
                 mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
     o = tl.dot(q, h.to(dot_type)) * tl.exp(gamma)[:, None]  # exp(gamma_i) S_0^T q_i
     i, j = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
-    decay = tl.exp(tl.where(i >= j, gamma[:, None] - gamma[None, :], float("-inf")))
+    # -inf above the diagonal and on rows past the chunk's end (whose loaded gamma is 0): no
+    # exp overflows
+    causal = (i >= j) & valid[:, None]
+    decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
     scores = tl.dot(q, tl.trans(k)) * decay  # D_ij q_i . k_j, j <= i
     mask_o = valid[:, None] & mask_v[None, :]
     v_new = tl.load(u_ptr + rows[:, None] * stride_ut + head * stride_uh + offs_v[None, :],
