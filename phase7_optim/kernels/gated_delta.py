@@ -42,6 +42,8 @@ Invariants:
   mixed step may pass decodes through the prefill path).
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,8 +53,6 @@ from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 L2_NORM_EPS = tl.constexpr(1e-6)  # inside the rsqrt, as gated_delta.py's `l2_normalize`
 CHUNK_SIZE = 64  # tokens per chunk: Qwen3.5's, as in fla and the reference
-STATE_BLOCK_V = 32  # d_v columns per program of the sequential state pass
-OUTPUT_BLOCK_V = 64  # d_v columns per program of the output kernel
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # softplus(x) = x above it, as torch's F.softplus
 
 
@@ -144,10 +144,12 @@ def gated_delta_rule_decode(
     recurrent_state: torch.Tensor,
     state_slots: torch.Tensor,
     pdl: bool = True,
+    block_v: int | None = None,
 ) -> torch.Tensor:
     """One step of B rows: q, k (B, H_k, d_k) raw, v (B, H_v, d_v), a, b (B, H_v) raw, A_log and
     dt_bias (H_v,); row r's state is recurrent_state[state_slots[r]], updated in place ->
-    o (B, H_v, d_v) in v's dtype (PAD_SLOT_ID rows: not written). `pdl`: kernels/pdl.py."""
+    o (B, H_v, d_v) in v's dtype (PAD_SLOT_ID rows: not written). `pdl`: kernels/pdl.py;
+    `block_v`: d_v columns per program, None: `decode_block_v`'s choice."""
     num_rows, num_v_heads, d_v = v.shape
     _check_inputs(q, k, v, a, b, recurrent_state)
     assert state_slots.shape == (num_rows,)
@@ -156,7 +158,7 @@ def gated_delta_rule_decode(
     pdl = pdl and supports_pdl(v.device)
     if num_rows == 0:
         return o
-    block_v = decode_block_v(num_rows, num_v_heads, d_v)
+    block_v = block_v or decode_block_v(num_rows, num_v_heads, d_v)
     grid = (num_rows, num_v_heads, triton.cdiv(d_v, block_v))
     _decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, recurrent_state, o, state_slots,
@@ -179,6 +181,28 @@ def _check_inputs(q, k, v, a, b, recurrent_state) -> None:
 
 
 # ---- prefill: the chunked form ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Launch shapes of the three prefill kernels (benchmarks/phase7_gdn_kernels.py sweeps them).
+    `state_block_v`: d_v columns per program of the sequential state pass (fewer: more programs
+    in flight when a prefill holds few sequences); `output_block_v`: of the output kernel."""
+
+    intra_warps: int = 4
+    state_block_v: int = 32
+    state_warps: int = 4
+    output_block_v: int = 64
+    output_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("state_block_v", "output_block_v"):
+            value = getattr(self, name)
+            if value < 16 or value != triton.next_power_of_2(value):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {value}")
+
+
+DEFAULT_CHUNK_CONFIG = ChunkConfig()
 
 
 @triton.jit
@@ -366,6 +390,7 @@ def gated_delta_rule_prefill(
     query_start_loc: torch.Tensor,
     state_slots: torch.Tensor,
     chunk_size: int = CHUNK_SIZE,
+    config: ChunkConfig = DEFAULT_CHUNK_CONFIG,
 ) -> torch.Tensor:
     """Packed prefill of S sequences (any lengths, 1 included): q, k (N, H_k, d_k) raw, v
     (N, H_v, d_v), a, b (N, H_v) raw, A_log and dt_bias (H_v,); sequence i is rows
@@ -393,21 +418,21 @@ def gated_delta_rule_prefill(
             k, v, a, b, A_log, dt_bias, chunk_start, chunk_len, w, u, gamma,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             w.stride(0), w.stride(1), u.stride(0), u.stride(1), gamma.stride(0), d_k, d_v,
-            BLOCK_DV=max(16, triton.next_power_of_2(d_v)), num_warps=4, **common,
+            BLOCK_DV=max(16, triton.next_power_of_2(d_v)), num_warps=config.intra_warps, **common,
         )  # fmt: skip
-    block_v = min(STATE_BLOCK_V, max(16, triton.next_power_of_2(d_v)))
+    block_v = min(config.state_block_v, max(16, triton.next_power_of_2(d_v)))
     _chunk_state_kernel[(num_seqs, num_v_heads, triton.cdiv(d_v, block_v))](
         k, w, u, gamma, h, recurrent_state, chunk_start, chunk_len, seq_chunk_loc, state_slots,
         k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         gamma.stride(0), *h.stride()[:3], *recurrent_state.stride()[:3], d_k, d_v,
-        BLOCK_V=block_v, PAD_SLOT=PAD_SLOT_ID, num_warps=4, **common,
+        BLOCK_V=block_v, PAD_SLOT=PAD_SLOT_ID, num_warps=config.state_warps, **common,
     )  # fmt: skip
     if num_chunks:
-        block_v = min(OUTPUT_BLOCK_V, max(16, triton.next_power_of_2(d_v)))
+        block_v = min(config.output_block_v, max(16, triton.next_power_of_2(d_v)))
         _chunk_output_kernel[(num_chunks, num_v_heads, triton.cdiv(d_v, block_v))](
             q, k, u, gamma, h, o, chunk_start, chunk_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), u.stride(0), u.stride(1),
             gamma.stride(0), *h.stride()[:3], o.stride(0), o.stride(1), d_k, d_v, d_k**-0.5,
-            BLOCK_V=block_v, num_warps=4, **common,
+            BLOCK_V=block_v, num_warps=config.output_warps, **common,
         )  # fmt: skip
     return o
