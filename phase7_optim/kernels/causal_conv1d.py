@@ -65,13 +65,13 @@ def _conv_tile(
     y = acc / (1.0 + tl.exp(-acc))  # SiLU
     out_ptrs = out_ptr + (start + offs_t) * stride_ot + offs_c
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=valid)
-    if t0 == 0:
+    if t0 == 0:  # (new names inside: a compiled `if` may not change a variable's shape)
         offs_w = tl.arange(0, BLOCK_W)[:, None]  # (BLOCK_W, 1) columns of the new state
         column = (offs_w < WIDTH - 1) & lanes
-        p = seq_len - (WIDTH - 1) + offs_w  # the input that becomes column offs_w
-        x = tl.load(x_ptr + (start + p) * stride_xt + offs_c, mask=column & (p >= 0))
-        s = tl.load(s_ptrs + (p + WIDTH - 1) * stride_sw, mask=column & (p < 0))
-        new = tl.where(p >= 0, x.to(state_ptr.dtype.element_ty), s)
+        src = seq_len - (WIDTH - 1) + offs_w  # the input that becomes column offs_w
+        from_x = tl.load(x_ptr + (start + src) * stride_xt + offs_c, mask=column & (src >= 0))
+        from_state = tl.load(s_ptrs + (src + WIDTH - 1) * stride_sw, mask=column & (src < 0))
+        new = tl.where(src >= 0, from_x.to(state_ptr.dtype.element_ty), from_state)
         # the new state is not computed from the old value at the same place (it shifts), so a
         # thread could overwrite a column another thread has yet to read: all read, then write
         tl.debug_barrier()
