@@ -241,14 +241,21 @@ class GatedAttention(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Each head's output normalized, times its gain, times SiLU(gate) (gated_delta.py)."""
+    """Each head's output normalized, times its gain, times SiLU(gate) (gated_delta.py); one
+    kernel on CUDA (kernels/gated_norm.py)."""
 
-    def __init__(self, head_dim: int, eps: float):
+    def __init__(self, head_dim: int, eps: float, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(head_dim))
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.kernels.use_triton(x):
+            from .kernels import gated_norm  # here: CPU-only installs may lack Triton
+
+            pdl = self.kernels.programmatic_launch
+            return gated_norm.gated_rms_norm(x, gate, self.weight, self.eps, pdl)
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
@@ -270,7 +277,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(channels, channels, width, groups=channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps, kernels)
         self.out_proj = ColumnParallelLinear(
             self.value_dim, (c.hidden_size,), SINGLE_RANK, kernels=kernels
         )
