@@ -88,6 +88,7 @@ class ForwardBatch:
     # (num_decodes,) int: those decodes, longest context first (the order the decode kernel starts
     # them in, kernels/paged_decode.py); None: batch order
     decode_order: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None  # (S,) int: each sequence's state pool slot (hybrid)
 
     @cached_property
     def attention_groups(self) -> list["AttentionGroup"]:

@@ -67,11 +67,15 @@ tokens, logit bias) must be in the vocabulary, or `add_request` refuses it. None
 overlap scheduling wait for a step's tokens: the penalties count a placeholder token on the device,
 min_tokens counts placeholders, and logprobs are computed on the device beside the token they
 describe (model_runner.py).
+
+A hybrid model (Qwen3.5) runs with prefix caching off: a cached block would give back keys and
+values, but not the DeltaNet state after them, which only a full recompute rebuilds.
 """
 
 import atexit
 import enum
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -85,15 +89,18 @@ from .config import EngineConfig
 from .default_model import default_model_dir
 from .distributed import TensorParallel
 from .kv_cache_config import determine_kv_cache_config, log_kv_cache
-from .loader import load_model, resolve_device, resolve_dtype, resolve_model_dir
+from .loader import load_model, read_model_config, resolve_device, resolve_dtype, resolve_model_dir
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner, SampledTokens
+from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
 from .sampling import SamplingParams, TokenLogprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, check_conversations, find_stop_string
 from .trace import StepTrace
 from .worker import start_workers
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]  # text, or token ids
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
@@ -175,7 +182,7 @@ def check_optional(name: str, value: object, cls: type) -> None:
 class LLMEngine:
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
+        model: Qwen3ForCausalLM | Qwen3_5ForCausalLM,
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
         trace: StepTrace | None = None,
@@ -193,9 +200,16 @@ class LLMEngine:
         # Sized from the device's memory (kv_cache_config.py); never written into the config.
         self.kv_cache_config = determine_kv_cache_config(model, self.config)
         log_kv_cache(self.kv_cache_config, device.type, model.config.max_position_embeddings)
+        prefix_caching = self.config.enable_prefix_caching
+        if prefix_caching and is_hybrid(model.config):
+            logger.warning(
+                "prefix caching is off for this hybrid model: its DeltaNet state cannot be "
+                "restored from cached KV blocks"
+            )
+            prefix_caching = False
         self.block_manager = BlockManager(
-            self.kv_cache_config.num_blocks, self.config.block_size,
-            self.config.enable_prefix_caching, self.config.num_cpu_kv_blocks,
+            self.kv_cache_config.num_blocks, self.config.block_size, prefix_caching,
+            self.config.num_cpu_kv_blocks,
         )  # fmt: skip
         self.scheduler = Scheduler(self.config, self.block_manager)
         vocab = model.config.vocab_size  # a tokenizer's id past the LM head can never be sampled
@@ -203,6 +217,12 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.config, self.block_manager, self.kv_cache_config, eos_ids
         )
+        if self.runner.state_pool is not None:
+            pool = self.runner.state_pool
+            logger.info(
+                "state pool: %d slots, %.2f GiB (%.1f MiB a sequence)", pool.num_slots,
+                pool.memory_bytes / 2**30, pool.memory_bytes / pool.num_slots / 2**20,
+            )  # fmt: skip
         self.in_flight: InFlightStep | None = None  # async scheduling: the step the device runs
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -300,6 +320,8 @@ class LLMEngine:
     def _run(
         self, out: SchedulerOutput, previous: InFlightStep | None, start: float
     ) -> list[RequestOutput | TokenIdsOutput]:
+        for seq in out.preempted:
+            self.runner.preempt(seq)
         self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         self.num_preemptions += len(out.preempted)
         # A step may run nothing (every running sequence was preempted, or is about to finish);
@@ -470,6 +492,11 @@ class LLM:
         # Tensor parallelism (worker.py): ranks 1.. load their shards in their own processes
         # and follow this one's steps; with one rank there is no process group at all.
         tp = TensorParallel(0, config.tensor_parallel_size)
+        if tp.size > 1 and is_hybrid(read_model_config(model_dir)):
+            raise ValueError(
+                "Qwen3.5 runs on one GPU here: tensor parallelism is not built for its DeltaNet "
+                "layers (tensor_parallel_size must be 1)"
+            )
         self.workers = None
         if tp.size > 1:
             self.workers = start_workers(model_dir, dtype, torch.device(device), config)

@@ -18,9 +18,13 @@ numpy row that only grows by the blocks added since the last step (`HostBlockTab
   broadcasts the scheduler's output through a shared-memory message queue, and every worker
   prepares its own inputs), a worker here never sees a sequence: only tensors.
 
+A hybrid model's runner also fills `state_slots`, each sequence's row in the state pool
+(state_pool.py); other models neither fill nor copy it.
+
 Invariants:
 - rows past a step's sequences (up to a CUDA graph's bucket) are padding: slot PAD_SLOT_ID
-  (writes nowhere) and seq_len 0 (reads nothing), the convention of attention.py;
+  (writes nowhere), state slot PAD_SLOT_ID (no state read or written) and seq_len 0 (reads
+  nothing), the convention of attention.py;
 - a host buffer is rewritten only after the copies that read it last step are done
   (`wait_for_copies`);
 - every rank receives the buffers a step reads, in the same order, so the forward passes agree;
@@ -111,7 +115,10 @@ class StepInputs:
     twin (on CPU the same memory: the model reads the host buffer itself).
     """
 
-    def __init__(self, max_tokens, max_seqs, max_blocks, block_size, device: torch.device):
+    def __init__(
+        self, max_tokens, max_seqs, max_blocks, block_size, device: torch.device,
+        state_slots: bool = False,  # a hybrid model's: each sequence's state pool slot
+    ):  # fmt: skip
         self.device = device
         self.on_gpu = device.type == "cuda"
         self.max_blocks = max_blocks  # block-table columns: a sequence at the model's context
@@ -133,6 +140,9 @@ class StepInputs:
         self.prev_sampled_rows, self.prev_sampled_rows_d = self._buffer(
             "prev_sampled_rows", max_seqs, dtype=torch.long
         )
+        self.has_state_slots = state_slots
+        self.state_slots, self.state_slots_d = self._buffer("state_slots", max_seqs)
+        self.state_slots_d.fill_(PAD_SLOT_ID)
         self.slot_mapping_d.fill_(PAD_SLOT_ID)  # graph capture and warm-up write nothing
         self.decode_order[:] = np.arange(max_seqs)  # ... and their decode order is a permutation
         self.decode_order_d.copy_(torch.from_numpy(self.decode_order))
@@ -157,6 +167,8 @@ class StepInputs:
             ("seq_lens", np.s_[:num_seqs]), ("logits_indices", np.s_[:num_sampled]),
             ("block_tables", np.s_[:num_seqs, :width]), ("decode_order", np.s_[:num_seqs]),
         )  # fmt: skip
+        if self.has_state_slots:
+            views += (("state_slots", np.s_[:num_seqs]),)
         return [(self.pairs[name][0][rows], self.pairs[name][1][rows]) for name, rows in views]
 
     def wait_for_copies(self) -> None:
@@ -189,6 +201,7 @@ class StepInputs:
             block_size=self.block_size,
             num_decodes=num_decodes,
             decode_order=self.decode_order_d[:num_decodes],
+            state_slots=self.state_slots_d[:num_seqs] if self.has_state_slots else None,
         )
 
 

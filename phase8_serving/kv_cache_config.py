@@ -19,6 +19,10 @@ The result is a `KVCacheConfig`, computed once at start-up and handed to the blo
 model runner: the frozen `EngineConfig` is never written back. The engine logs the capacity in
 tokens and how many requests of the model's full context fit at once, as vLLM does.
 
+A hybrid model (Qwen3.5) also holds a state pool: max_num_seqs slots of DeltaNet state, fixed in
+size (state_pool.py). On CUDA its bytes come out of the same budget before the blocks are counted,
+and only the attention layers take KV bytes per block.
+
 Invariants: the cache has at least one block and fewer than 2**31 slots (config.MAX_KV_SLOTS);
 every rank holds the same number of blocks.
 """
@@ -35,7 +39,9 @@ from .config import MAX_KV_SLOTS, EngineConfig
 from .distributed import min_over_ranks
 from .kv_cache import KVCache
 from .model import Qwen3ForCausalLM
+from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
 from .sampling import SamplingBatch, SamplingParams, sample_batch
+from .state_pool import StatePool
 
 logger = logging.getLogger(__name__)
 
@@ -78,25 +84,37 @@ class MemoryProfile:
     other_bytes: int  # everything else in use: the CUDA context, buffers, other processes
 
 
-def kv_block_bytes(model: Qwen3ForCausalLM, block_size: int) -> int:
+def kv_block_bytes(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, block_size: int) -> int:
     c, dtype = model.config, model.lm_head.weight.dtype
-    per_token = 2 * c.num_layers * model.num_kv_heads_per_rank * c.head_dim * dtype.itemsize
+    num_layers = c.num_attention_layers if is_hybrid(c) else c.num_layers
+    per_token = 2 * num_layers * model.num_kv_heads_per_rank * c.head_dim * dtype.itemsize
     return block_size * per_token  # 2: keys and values
 
 
+def state_pool_bytes(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, config: EngineConfig) -> int:
+    """What a hybrid model's state pool (max_num_seqs slots) takes; 0 for attention-only models."""
+    c = model.config
+    if not is_hybrid(c):
+        return 0
+    per_slot = c.num_deltanet_layers * c.state_shape.bytes_per_slot(model.lm_head.weight.dtype)
+    return config.max_num_seqs * per_slot
+
+
 def num_blocks_from_memory(
-    profile: MemoryProfile, gpu_memory_utilization: float, block_bytes: int
+    profile: MemoryProfile, gpu_memory_utilization: float, block_bytes: int, state_bytes: int = 0
 ) -> int:
-    """The blocks that fit in gpu_memory_utilization x the GPU, after everything else."""
+    """The blocks that fit in gpu_memory_utilization x the GPU, after everything else (a hybrid
+    model's state pool, `state_bytes`, included)."""
     allowed = gpu_memory_utilization * profile.total_bytes
     spent = profile.weights_bytes + profile.peak_activation_bytes + profile.other_bytes
-    num_blocks = int((allowed - spent) // block_bytes)
+    num_blocks = int((allowed - spent - state_bytes) // block_bytes)
     if num_blocks < 1:
         raise ValueError(
             f"no GPU memory left for the KV cache: gpu_memory_utilization {gpu_memory_utilization}"
             f" x {profile.total_bytes / GiB:.2f} GiB = {allowed / GiB:.2f} GiB, of which the "
             f"weights take {profile.weights_bytes / GiB:.2f}, the largest step "
-            f"{profile.peak_activation_bytes / GiB:.2f} and everything else on the GPU "
+            f"{profile.peak_activation_bytes / GiB:.2f}, the state pool {state_bytes / GiB:.2f} "
+            "and everything else on the GPU "
             f"{profile.other_bytes / GiB:.2f}; raise gpu_memory_utilization, lower "
             "max_num_batched_tokens or max_num_seqs, or set num_kv_blocks"
         )
@@ -123,7 +141,9 @@ def determine_kv_cache_config(model: Qwen3ForCausalLM, config: EngineConfig) -> 
         num_blocks = num_blocks_from_budget(config.kv_cache_memory_bytes, block_bytes)
     elif device.type == "cuda":
         profile = profile_memory(model, config)
-        num_blocks = num_blocks_from_memory(profile, config.gpu_memory_utilization, block_bytes)
+        num_blocks = num_blocks_from_memory(
+            profile, config.gpu_memory_utilization, block_bytes, state_pool_bytes(model, config)
+        )
     else:  # no more than max_num_seqs requests at the model's context can use
         full = config.max_num_seqs * -(-model.config.max_position_embeddings // config.block_size)
         num_blocks = min(num_blocks_from_budget(CPU_KV_CACHE_MEMORY_BYTES, block_bytes), full)
@@ -187,10 +207,16 @@ def profile_run(model: Qwen3ForCausalLM, config: EngineConfig) -> None:
         logits_indices=to(qsl[1:] - 1), max_query_len=max_len, max_seq_len=max_len,
         block_size=config.block_size,
     )  # fmt: skip
-    kv_cache = KVCache(c.num_layers, 1, config.block_size, model.num_kv_heads_per_rank,
-                       c.head_dim, model.lm_head.weight.dtype, device)  # fmt: skip
+    dtype, hybrid = model.lm_head.weight.dtype, is_hybrid(c)
+    num_kv_layers = c.num_attention_layers if hybrid else c.num_layers
+    kv_cache = KVCache(num_kv_layers, 1, config.block_size, model.num_kv_heads_per_rank,
+                       c.head_dim, dtype, device)  # fmt: skip
+    caches = (kv_cache,)
+    if hybrid:  # one slot for everyone: what they write there is as unread as their keys
+        caches += (StatePool(c.state_shape, c.num_deltanet_layers, 1, dtype, device),)
+        batch.state_slots = to(torch.zeros(num_seqs))
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    logits = model(input_ids, positions.to(device), batch, kv_cache)
+    logits = model(input_ids, positions.to(device), batch, *caches)
     if model.tp.rank == 0:  # only rank 0 samples
         params = [PROFILE_SAMPLING] * num_seqs
         vocab_size = logits.shape[-1]

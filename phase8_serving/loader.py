@@ -1,4 +1,4 @@
-"""Loading a Hugging Face checkpoint (a local directory or a hub id) into Qwen3ForCausalLM.
+"""Loading a Hugging Face checkpoint (a local directory or a hub id) into our model classes.
 
 Problem: real weights live in `*.safetensors` files (one, or several shards listed in
 `model.safetensors.index.json`) next to a `config.json`; a model of billions of parameters must
@@ -20,6 +20,11 @@ tensors we stack (q/k/v, gate/up: `STACKED_PARAMS`) land in their part of the st
 small random values where it lives, so a benchmark can run a 70B-parameter shape from nothing but
 a config.json.
 
+Qwen3.5 (`model_type` qwen3_5, the published vision-language checkpoints, or qwen3_5_text) loads
+into the hybrid `Qwen3_5ForCausalLM` (qwen3_5.py): its text config is read from `text_config`,
+its `model.language_model.*` tensors are the text model's `model.*`, and the vision tower and
+the multi-token-prediction head are skipped, with a log line that says how many tensors.
+
 Invariants:
 - after `load_model`, every parameter holds a checkpoint tensor: missing keys are an error, except
   `lm_head.weight` of a tied model, which IS `model.embed_tokens.weight`;
@@ -29,6 +34,7 @@ Invariants:
 """
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +47,11 @@ from .distributed import SINGLE_RANK, TensorParallel
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear, WeightShard
 from .model import STACKED_PARAMS, ModelConfig, Qwen3ForCausalLM
+from .qwen3_5 import STACKED_PARAMS as HYBRID_STACKED_PARAMS
+from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, checkpoint_key
 from .rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -52,14 +62,24 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FLOAT_TENSOR_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names for what we load
-ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURE_BY_MODEL_TYPE = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+}
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # Qwen3.5: DeltaNet and attention layers
 # config.json fields we read, by the JSON type they must have (null means "absent" for all).
 CONFIG_FIELD_TYPES = {
     **dict.fromkeys(
         ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"),
+         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+         "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval"),
         int,
     ),
+    "layer_types": list,
+    "text_config": dict,
     "rms_norm_eps": float,
     "rope_theta": float,
     "tie_word_embeddings": bool,
@@ -79,8 +99,8 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: Qwen3ForCausalLM
-    config: ModelConfig
+    model: Qwen3ForCausalLM | Qwen3_5ForCausalLM
+    config: ModelConfig | Qwen3_5Config
     model_dir: Path  # where config.json lives; tokenizer files are read from here too
 
 
@@ -162,9 +182,17 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-def read_model_config(model_dir: Path) -> ModelConfig:
+def read_model_config(model_dir: Path) -> ModelConfig | Qwen3_5Config:
     hf = read_hf_config(model_dir)
+    if hf.get("model_type") not in ARCHITECTURE_BY_MODEL_TYPE:
+        name = ", ".join(hf.get("architectures") or []) or f"model_type {hf.get('model_type')!r}"
+        raise CheckpointError(
+            f"{model_dir}: {name} is not supported; supported: "
+            f"{', '.join(ARCHITECTURE_BY_MODEL_TYPE.values())}"
+        )
     try:
+        if hf.get("model_type") in HYBRID_MODEL_TYPES:
+            return Qwen3_5Config.from_hf(_text_config(hf))
         return ModelConfig.from_hf(hf)
     except ValueError as e:  # "config.json lacks ...", an unsupported model: name the checkpoint
         raise CheckpointError(f"{model_dir}: {e}") from None
@@ -176,11 +204,14 @@ def read_hf_config(model_dir: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
     hf = _read_json(path)
-    for key, kind in CONFIG_FIELD_TYPES.items():
-        value = hf.get(key)
-        bad_number = kind is not bool and isinstance(value, bool)  # JSON true is not a count
-        if value is not None and (bad_number or not isinstance(value, _json_types(kind))):
-            raise CheckpointError(f"{path}: {key!r} must be a JSON {kind.__name__}, got {value!r}")
+    for fields in (hf, hf.get("text_config") or {}):  # text_config: a published Qwen3.5's
+        for key, kind in CONFIG_FIELD_TYPES.items():
+            value = fields.get(key)
+            bad_number = kind is not bool and isinstance(value, bool)  # JSON true is not a count
+            if value is not None and (bad_number or not isinstance(value, _json_types(kind))):
+                raise CheckpointError(
+                    f"{path}: {key!r} must be a JSON {kind.__name__}, got {value!r}"
+                )
     model_type, architectures = hf.get("model_type"), hf.get("architectures")
     expected = ARCHITECTURE_BY_MODEL_TYPE.get(model_type)
     if expected is not None and architectures is not None and architectures != [expected]:
@@ -189,6 +220,15 @@ def read_hf_config(model_dir: Path) -> dict:
             f"(which means [{expected!r}])"
         )
     return hf
+
+
+def _text_config(hf: dict) -> dict:
+    """A published Qwen3.5 config.json nests the text model's fields under `text_config`; its
+    top-level `tie_word_embeddings` is the one transformers obeys."""
+    text = {**hf, **(hf.get("text_config") or {})}
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
 
 
 def _json_types(kind: type) -> type | tuple[type, ...]:
@@ -226,19 +266,22 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def _build_empty(
-    config: ModelConfig,
+    config: ModelConfig | Qwen3_5Config,
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel,
     kernels: KernelConfig,
-) -> Qwen3ForCausalLM:
+) -> Qwen3ForCausalLM | Qwen3_5ForCausalLM:
     # Shapes only: no memory, no random init. (The first meta-device ops of a process import
     # torch's meta kernels once, ~1.5 s; a random init of a 0.6B model on CPU costs more.)
+    hybrid = isinstance(config, Qwen3_5Config)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, tp, kernels)
+        model_class = Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM
+        model = model_class(config, tp, kernels)
     model = model.to(dtype).to_empty(device=device)  # garbage until load_weights fills it
     model.tie_weights()
-    tables = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    rope_dim = config.rotary_dim if hybrid else config.head_dim
+    tables = RotaryEmbedding(rope_dim, config.max_position_embeddings, config.rope_theta)
     for module in model.modules():  # one shared instance, listed once
         if isinstance(module, RotaryEmbedding):
             module.cos, module.sin = tables.cos.to(device), tables.sin.to(device)
@@ -272,7 +315,11 @@ def checkpoint_targets(model: Qwen3ForCausalLM) -> dict[str, Target]:
             if not isinstance(module, SHARDED_MODULES):
                 targets[f"{name}.{param_name}"] = Target(param, WeightShard.whole(param.shape))
                 continue
-            stacked = [(ckpt, shard_id) for ckpt, ours, shard_id in STACKED_PARAMS if ours == leaf]
+            stacked = [
+                (ckpt, shard_id)
+                for ckpt, ours, shard_id in STACKED_PARAMS + HYBRID_STACKED_PARAMS
+                if ours == leaf
+            ]
             if not stacked:
                 targets[f"{name}.{param_name}"] = Target(param, module.shard())
             for ckpt, shard_id in stacked:
@@ -287,12 +334,20 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path]) -> None:
     with torch.no_grad():
         for file in files:
             with _open_safetensors(file) as f:
-                for key in f.keys():
-                    if key_files.get(key) == file:
+                for checkpoint_name in f.keys():
+                    key = _our_name(model, checkpoint_name)
+                    if key is not None and key_files.get(key) == file:
                         param, shard = targets[key].param, targets[key].shard
-                        piece = _read_piece(f.get_slice(key), shard)  # reads only these bytes
+                        piece = _read_piece(f.get_slice(checkpoint_name), shard)  # these bytes
                         dest = param.narrow(shard.dim, shard.dest_start, shard.size)
                         dest.copy_(piece)  # casts to the model's dtype
+
+
+def _our_name(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, key: str) -> str | None:
+    """The name a checkpoint key loads into; None for tensors that are not ours to load."""
+    if key.endswith(IGNORED_KEY_SUFFIXES):
+        return None
+    return checkpoint_key(key) if isinstance(model, Qwen3_5ForCausalLM) else key
 
 
 def _read_piece(tensor_slice, shard: WeightShard) -> torch.Tensor:
@@ -305,14 +360,17 @@ def _check_keys(
 ) -> dict[str, Path]:
     """Key -> file it is read from; raises on unexpected, missing or wrongly shaped tensors."""
     key_files: dict[str, Path] = {}
+    skipped = 0
     for file in files:
         with _open_safetensors(file) as f:
-            for key in f.keys():
-                if key.endswith(IGNORED_KEY_SUFFIXES):
+            for checkpoint_name in f.keys():
+                key = _our_name(model, checkpoint_name)
+                if key is None:
+                    skipped += not checkpoint_name.endswith(IGNORED_KEY_SUFFIXES)
                     continue
                 if key not in targets:
                     raise CheckpointError(f"{file.name}: unexpected key {key!r} (not in the model)")
-                tensor = f.get_slice(key)
+                tensor = f.get_slice(checkpoint_name)
                 shape, want = tuple(tensor.get_shape()), targets[key].shard.full_shape
                 if shape != want:
                     raise CheckpointError(
@@ -324,6 +382,11 @@ def _check_keys(
                         "(quantized weights are not supported; casting them would be wrong)"
                     )
                 key_files[key] = file
+    if skipped:
+        logger.info(
+            "skipped %d checkpoint tensors outside the text model (vision tower, MTP head)",
+            skipped,
+        )
     optional = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     missing = sorted(set(targets) - set(key_files) - optional)
     if missing:

@@ -28,6 +28,11 @@ sampling pass that draws row by row.
   whose last input token was sampled by the previous step, not yet read by the host (a
   placeholder), gets it on the device: `execute` gathers it from the previous step's
   `SampledTokens.device` into the input ids, so no token makes a round trip through the host.
+- A hybrid model (Qwen3.5) keeps its DeltaNet state in a `StatePool` of max_num_seqs slots beside
+  the KV cache (which then holds only its attention layers): a sequence takes its slot the first
+  time it is prepared and gives it back when it finishes or is preempted (zeroed, or copied to
+  the CPU when it is swapped out); its slot travels in `state_slots`. Graph capture and padded
+  rows use PAD_SLOT_ID: no state is read or written for them.
 - Tensor parallelism (worker.py): rank 0's runner broadcasts each prepared step's buffers
   before running it; the other ranks' runners only receive steps and run `forward`, never
   `prepare` or sampling, and their KV caches hold their ranks' KV heads.
@@ -56,6 +61,7 @@ from .input_batch import HostBlockTables, PreparedStep, StepInputs, send_step
 from .kv_cache import KVCache, copy_blocks
 from .kv_cache_config import KVCacheConfig
 from .model import Qwen3ForCausalLM
+from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
 from .sampling import (
     LogprobsTensors,
     SamplingBatch,
@@ -65,7 +71,8 @@ from .sampling import (
     sample_batch,
     token_logprobs,
 )
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
+from .state_pool import StatePool
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,7 @@ class SampledTokens:
 class ModelRunner:
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
+        model: Qwen3ForCausalLM | Qwen3_5ForCausalLM,
         config: EngineConfig,  # its batch sizes resolved (`for_device`)
         block_manager: BlockManager,
         kv_cache_config: KVCacheConfig,
@@ -128,21 +135,31 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         c = model.config
         dtype = model.lm_head.weight.dtype
+        hybrid = is_hybrid(c)
+        num_kv_layers = c.num_attention_layers if hybrid else c.num_layers
         self.kv_cache = KVCache(
-            c.num_layers, kv_cache_config.num_blocks, config.block_size,
+            num_kv_layers, kv_cache_config.num_blocks, config.block_size,
             model.num_kv_heads_per_rank, c.head_dim, dtype, self.device,
         )  # fmt: skip
         self.cpu_kv_cache = KVCache(  # where swapped-out sequences' blocks wait
-            c.num_layers, config.num_cpu_kv_blocks, config.block_size, model.num_kv_heads_per_rank,
-            c.head_dim, dtype, "cpu",
+            num_kv_layers, config.num_cpu_kv_blocks, config.block_size,
+            model.num_kv_heads_per_rank, c.head_dim, dtype, "cpu",
         )  # fmt: skip
+        self.state_pool = (
+            StatePool(c.state_shape, c.num_deltanet_layers, config.max_num_seqs, dtype, self.device)
+            if hybrid
+            else None
+        )
+        # What the model's forward reads and writes besides the batch.
+        pool = () if self.state_pool is None else (self.state_pool,)
+        self.caches = (self.kv_cache, *pool)
         self.block_size = config.block_size
         # A block table never outgrows the model's context (the engine rejects longer requests).
         max_len = min(c.max_position_embeddings, kv_cache_config.num_tokens)
         self.max_blocks = -(-max_len // self.block_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = StepInputs(max_tokens, config.max_num_seqs, self.max_blocks, self.block_size,
-                                 self.device)  # fmt: skip
+                                 self.device, state_slots=hybrid)  # fmt: skip
         self.host_block_tables = HostBlockTables(self.max_blocks)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's stream
         # Host copies of the sampled ids, used in turn: step N's copy is read after step N+1's
@@ -180,6 +197,8 @@ class ModelRunner:
                 fed.append(i)
                 fed_rows.append(previous.row_of[seq.seq_id])
             table_rows.append(mirror.row(seq.seq_id, tables[seq.seq_id]))
+        if self.state_pool is not None:
+            inp.state_slots[:S] = [self.state_pool.slot(seq.seq_id) for seq, _ in scheduled]
         starts, num_new = np.array(starts), np.array(num_new)
         ends = starts + num_new
         qsl = np.zeros(S + 1, dtype=np.int64)
@@ -229,6 +248,7 @@ class ModelRunner:
         inp.input_ids[num_tokens : num_tokens + pad] = 0
         inp.positions[num_tokens : num_tokens + pad] = 0
         inp.slot_mapping[num_tokens : num_tokens + pad] = PAD_SLOT_ID
+        inp.state_slots[num_seqs:rows] = PAD_SLOT_ID
         inp.seq_lens[num_seqs:rows] = 0
         inp.query_start_loc[num_seqs + 1 : rows + 1] = num_tokens + np.arange(1, pad + 1)
         inp.logits_indices[num_seqs:rows] = np.arange(num_seqs, rows)
@@ -243,9 +263,9 @@ class ModelRunner:
                                   self.max_blocks, rows)  # fmt: skip
         ids, positions = inp.input_ids_d[:rows], inp.positions_d[:rows]
         if rows <= self.lm_head_graph_max_batch:
-            return self.model(ids, positions, batch, self.kv_cache)
+            return self.model(ids, positions, batch, *self.caches)
         # every row samples: the hidden states are already the rows the LM head takes
-        return self.model.model(ids, positions, batch, self.kv_cache)
+        return self.model.model(ids, positions, batch, *self.caches)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Logits (R, V) of the sequences that sample, on the device (no sync)."""
@@ -257,7 +277,7 @@ class ModelRunner:
             return self.model.compute_logits(out)  # on the real rows only, not the padding
         input_ids = self.inputs.input_ids_d[: step.num_tokens]
         positions = self.inputs.positions_d[: step.num_tokens]
-        return self.model(input_ids, positions, step.batch, self.kv_cache)
+        return self.model(input_ids, positions, step.batch, *self.caches)
 
     @torch.no_grad()
     def execute(self, scheduled: list[tuple[Sequence, int]], step: PreparedStep) -> SampledBatch:
@@ -364,9 +384,21 @@ class ModelRunner:
         copy_blocks(self.kv_cache, self.cpu_kv_cache, blocks_to_swap_out)
         copy_blocks(self.cpu_kv_cache, self.kv_cache, blocks_to_swap_in)
 
+    def preempt(self, seq: Sequence) -> None:
+        """A preempted sequence's state leaves its slot: to the CPU when its blocks were swapped
+        out, else it is dropped (zeroed) and recomputed with the prompt."""
+        if self.state_pool is None:
+            return
+        if seq.status == SequenceStatus.SWAPPED:
+            self.state_pool.swap_out(seq.seq_id)
+        else:
+            self.state_pool.free(seq.seq_id)
+
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
         self.host_block_tables.release(seq.seq_id)
+        if self.state_pool is not None:
+            self.state_pool.free(seq.seq_id)
 
     def shutdown(self) -> None:
         """Frees the CUDA graphs: with tensor parallelism they hold NCCL work, so they must go

@@ -20,7 +20,8 @@ The same dict describes a replayed trace's steps (replay.py), so one page draws 
 - `batch`: the last step's `prefill_tokens`, `decode_tokens`, `num_seqs` and `token_budget`;
 - `preempted`: request ids preempted by the last step; `num_preemptions`: since start;
 - `kv`: trace.py's `kv_map` (runs of [count, owner seq_id, ref_cnt, cached]);
-  `kv_usage` (fraction of blocks referenced), `prefix_cache` (`queries`, `hits`: tokens).
+  `kv_usage` (fraction of blocks referenced), `prefix_cache` (`queries`, `hits`: tokens);
+- `state_slots`: a hybrid model's state pool, `held` and `total` slots (null for other models).
 
 Invariant: a snapshot reads the engine and changes nothing in it.
 """
@@ -56,7 +57,14 @@ def engine_snapshot(engine: LLMEngine) -> dict:
         "kv": kv_map(bm, stride),
         "kv_usage": bm.num_used_blocks / len(bm.blocks),
         "prefix_cache": {"queries": bm.num_queried_tokens, "hits": bm.num_hit_tokens},
+        "state_slots": state_slots(engine),
     }
+
+
+def state_slots(engine: LLMEngine) -> dict | None:
+    """A hybrid model's state pool (state_pool.py): slots held and in all; None without one."""
+    pool = engine.runner.state_pool
+    return None if pool is None else {"held": len(pool.slots), "total": pool.num_slots}
 
 
 def request_state(seq: Sequence, block_manager) -> dict:

@@ -55,6 +55,8 @@ function render(frame) {
   setValue("num-swapped", String(frame.num_swapped), frame.num_swapped);
   setValue("kv-usage", `${(100 * frame.kv_usage).toFixed(1)}%`, frame.kv_usage);
   setValue("preemptions", String(frame.num_preemptions), frame.num_preemptions);
+  const slots = frame.state_slots;  // a hybrid model's DeltaNet state pool; null for others
+  setValue("state-slots", slots ? `${slots.held} / ${slots.total}` : "–", slots && slots.held);
   const cache = frame.prefix_cache;  // prompt tokens looked up and found, since the start
   const hitRate = cache && cache.queries ? cache.hits / cache.queries : null;
   setValue("prefix-hits", hitRate === null ? "–" : `${(100 * hitRate).toFixed(1)}%`, hitRate);
