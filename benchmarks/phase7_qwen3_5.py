@@ -169,7 +169,6 @@ def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
 
 def main():
     parser = benchmark_parser(__doc__)
-    parser.add_argument("--quick", action="store_true", help="W's first 64 requests only")
     args = parse_args(parser)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")

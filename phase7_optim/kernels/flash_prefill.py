@@ -23,7 +23,7 @@ Invariants:
 - GQA: query head h reads KV head h // QUERY_GROUP_SIZE.
 - block_tables[i] covers positions 0 … seq_len_i - 1; K/V of this step are already in the cache
   (store_kvcache ran first).
-- head_dim is a power of two (64 or 128 here); on a GPU, BLOCK_M and BLOCK_N are >= 16 (tl.dot).
+- head_dim is a power of two (64, 128 or Qwen3.5's 256 here); on a GPU, BLOCK_M and BLOCK_N are >= 16 (tl.dot).
 """
 
 from dataclasses import dataclass
@@ -57,6 +57,8 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if head_dim <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim > 128:  # Qwen3.5's 256: 128-row tiles of q, k and v overflow shared memory
+        return PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
     # H200 sweep at 4k tokens (benchmarks/results/phase7_kernels.json): best of 7 for both block
     # sizes, 355 TFLOP/s with block size 256
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)

@@ -338,6 +338,7 @@ def test_choose_num_splits_fills_the_gpu_without_tiny_splits():
 
 GPU_DTYPES = [torch.bfloat16, torch.float16]
 GPU_SHAPES = [(h_kv * g, h_kv, d) for d in (64, 128) for g, h_kv in ((1, 4), (2, 4), (8, 2))]
+GPU_SHAPES.append((8, 2, 256))  # Qwen3.5's gated attention: 8 query heads, 2 KV heads of 256
 
 
 @pytest.mark.gpu

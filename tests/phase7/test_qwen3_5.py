@@ -33,7 +33,11 @@ GiB = 2**30
 # random model (init 0.2) carries that through three DeltaNet layers to <= 5e-4 in its logits.
 # The greedy paths compared are won by more than twice that (HF_MIN_MARGIN).
 HYBRID_ATOL = 1e-3
-INTERPRETED = KernelConfig(interpret_on_cpu=True)
+
+
+def interpreted() -> KernelConfig:
+    """The Triton kernels on CPU tensors (tests/conftest.py switches the interpreter on)."""
+    return KernelConfig(interpret_on_cpu=True)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +101,8 @@ def forward_in_pieces(model, ids: list[int], pieces: list[tuple[int, int]]) -> t
 # pieces still cover a prefill, a continued chunk and a decode step (the kernels' own tests cover
 # the 64-token chunk boundary).
 CASES = {
-    "torch": (KernelConfig(), 70, ([(0, 70)], [(0, 64), (64, 69), (69, 70)])),
-    "triton-interpreted": (INTERPRETED, 20, ([(0, 16), (16, 19), (19, 20)],)),
+    "torch": (KernelConfig, 70, ([(0, 70)], [(0, 64), (64, 69), (69, 70)])),
+    "triton-interpreted": (interpreted, 20, ([(0, 16), (16, 19), (19, 20)],)),
 }
 
 
@@ -109,7 +113,7 @@ def test_logits_equal_transformers(path, layout, qwen3_5_dir, published_dir, hf_
     kernels, length, all_pieces = CASES[path]
     directory = qwen3_5_dir if layout == "text" else published_dir
     with caplog.at_level(logging.INFO):
-        loaded = load_model(directory, kernels=kernels)
+        loaded = load_model(directory, kernels=kernels())
     assert isinstance(loaded.config, Qwen3_5Config)
     if layout == "published":
         assert "skipped 2 checkpoint tensors outside the text model" in caplog.text
@@ -179,7 +183,7 @@ def test_the_kernels_run_the_engine_through_chunks_and_decodes(qwen3_5_dir, hf_m
     a prompt chunked beside another's decodes (a mixed step), then decode steps."""
     prompts = hybrid.prompts_of_lengths([3, 20])
     refs = hybrid.greedy_continuations(hf_model, prompts, 3)
-    loaded = load_model(qwen3_5_dir, kernels=INTERPRETED)
+    loaded = load_model(qwen3_5_dir, kernels=interpreted())
     config = EngineConfig(max_num_batched_tokens=12, max_num_seqs=2)
     engine = LLMEngine(loaded.model, Tokenizer.from_dir(qwen3_5_dir), config)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
