@@ -167,9 +167,12 @@ def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
     return result
 
 
+def build_parser():
+    return benchmark_parser(__doc__, threads=False)  # timed on a GPU
+
+
 def main():
-    parser = benchmark_parser(__doc__)
-    args = parse_args(parser)
+    args = parse_args(build_parser())
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     from tests.assets import qwen3_tokenizer_dir

@@ -16,8 +16,7 @@ Idea, prefill (`gated_delta_rule_prefill`), the chunked form of gated_delta.py i
 as fla's `chunk_gated_delta_rule` splits it:
 1. `_chunk_intra_kernel`, one program per (chunk, value head), all chunks of all sequences at
    once: the gates and their cumulative sum gamma, A = beta_i D_ij (k_i . k_j) (strictly lower),
-   T = (I + A)^-1 in registers (substitution in 16 x 16 diagonal blocks, then matmuls for the
-   rest, as fla's `solve_tril` does), then W = T (beta exp(gamma) K) and
+   T = (I + A)^-1 by forward substitution in registers, then W = T (beta exp(gamma) K) and
    U = T (beta V): the "UT transform" that turns C sequential steps into matmuls;
 2. `_chunk_state_kernel`, one program per (sequence, value head, d_v tile), the only sequential
    part: walks the sequence's chunks from the slot's state S, storing each chunk's initial S,
@@ -54,7 +53,6 @@ from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 L2_NORM_EPS = tl.constexpr(1e-6)  # inside the rsqrt, as gated_delta.py's `l2_normalize`
 CHUNK_SIZE = 64  # tokens per chunk: Qwen3.5's, as in fla and the reference
-SOLVE_BLOCK = 16  # diagonal blocks of the triangular solve done by substitution (tl.dot's least)
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # softplus(x) = x above it, as torch's F.softplus
 
 
@@ -216,30 +214,6 @@ def _chunk_rows(chunk_start_ptr, chunk_len_ptr, chunk, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, CHUNK: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCKS: tl.constexpr):
-    """(I + A)^-1 for A (CHUNK, CHUNK) fp32 strictly lower triangular, in two steps.
-    1. The diagonal BLOCK x BLOCK blocks, all at once, by forward substitution (BLOCK - 1 steps,
-       not CHUNK - 1): once row c of a block of T is final, subtract A_ic T_c from the rows below
-       it in the same block.
-    2. The rest by matmuls: with Dg the block diagonal of I + A and E its strictly block-lower
-       part, I + A = Dg (I + N), N = Dg^-1 E; N is strictly block-lower, so N^(CHUNK/BLOCK) = 0
-       and (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...: T = that product times Dg^-1, exact.
-    The products run in ieee fp32 (not tf32): T multiplies every value of the chunk."""
-    i, j = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
-    same_block = (i // BLOCK) == (j // BLOCK)
-    T = tl.where(i == j, 1.0, 0.0)
-    for c in range(0, BLOCK - 1):
-        a_c = tl.sum(tl.where(j == (i // BLOCK) * BLOCK + c, A, 0.0), 1)  # A[i, block(i) + c]
-        t_c = tl.sum(tl.where(i == (j // BLOCK) * BLOCK + c, T, 0.0), 0)  # T[block(j) + c, j]
-        T -= tl.where(same_block, a_c[:, None] * t_c[None, :], 0.0)
-    power = -tl.dot(T, tl.where(same_block, 0.0, A), input_precision="ieee")  # -N
-    for _ in tl.static_range(LOG2_BLOCKS):  # T <- (I + (-N)^(2^n)) T
-        T += tl.dot(power, T, input_precision="ieee")
-        power = tl.dot(power, power, input_precision="ieee")
-    return T
-
-
-@triton.jit
 def _chunk_intra_kernel(
     k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_len_ptr,
     w_ptr, u_ptr, gamma_ptr,
@@ -250,11 +224,10 @@ def _chunk_intra_kernel(
     CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    SOLVE_BLOCK: tl.constexpr,
-    LOG2_SOLVE_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     chunk, head = tl.program_id(0), tl.program_id(1)
     rows, valid, _ = _chunk_rows(chunk_start_ptr, chunk_len_ptr, chunk, CHUNK)
+    chunk_len = tl.load(chunk_len_ptr + chunk)
     offs_k, offs_v = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_DV)
     dot_type = k_ptr.dtype.element_ty
     k = _l2_normalized(
@@ -274,7 +247,14 @@ def _chunk_intra_kernel(
     decay = tl.exp(tl.where(i > j, gamma[:, None] - gamma[None, :], float("-inf")))
     kk = tl.dot(k.to(dot_type), tl.trans(k.to(dot_type)))
     A = beta[:, None] * decay * kk
-    T = _unit_lower_inverse(A, CHUNK, SOLVE_BLOCK, LOG2_SOLVE_BLOCKS)  # (I + A)^-1
+    # T = (I + A)^-1 by forward substitution, all right-hand sides (I's columns) at once: once
+    # row c of T is final, subtract A_ic T_c from every row below it (A is zero elsewhere; the
+    # rows past the chunk's end are zero too, so a short chunk stops early)
+    T = tl.where(i == j, 1.0, 0.0)
+    for c in range(0, chunk_len - 1):
+        a_c = tl.sum(tl.where(j == c, A, 0.0), 1)  # column c of A: (CHUNK,) over rows
+        t_c = tl.sum(tl.where(i == c, T, 0.0), 0)  # row c of T: (CHUNK,) over columns
+        T -= a_c[:, None] * t_c[None, :]
     T = T.to(dot_type)
 
     w = tl.dot(T, (k * (beta * tl.exp(gamma))[:, None]).to(dot_type))  # T (beta exp(gamma) K)
@@ -438,9 +418,7 @@ def gated_delta_rule_prefill(
             k, v, a, b, A_log, dt_bias, chunk_start, chunk_len, w, u, gamma,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             w.stride(0), w.stride(1), u.stride(0), u.stride(1), gamma.stride(0), d_k, d_v,
-            BLOCK_DV=max(16, triton.next_power_of_2(d_v)), SOLVE_BLOCK=SOLVE_BLOCK,
-            LOG2_SOLVE_BLOCKS=(chunk_size // SOLVE_BLOCK).bit_length() - 1,
-            num_warps=config.intra_warps, **common,
+            BLOCK_DV=max(16, triton.next_power_of_2(d_v)), num_warps=config.intra_warps, **common,
         )  # fmt: skip
     block_v = min(config.state_block_v, max(16, triton.next_power_of_2(d_v)))
     _chunk_state_kernel[(num_seqs, num_v_heads, triton.cdiv(d_v, block_v))](
