@@ -37,6 +37,7 @@ from .embedding import Embedding
 from .gated_delta import causal_conv1d, gated_delta_rule, gated_rms_norm, gating
 from .kv_cache import KVCache
 from .mlp import MLP
+from .model import _require  # config.json's required fields, one rule for both models
 from .rope import RotaryEmbedding
 from .state_pool import StatePool, StateShape
 
@@ -139,12 +140,6 @@ class Qwen3_5Config:
             rms_norm_eps=float(_require(hf, "rms_norm_eps")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
-
-
-def _require(hf: dict[str, Any], key: str) -> Any:
-    if hf.get(key) is None:
-        raise ValueError(f"config.json lacks {key!r}")
-    return hf[key]
 
 
 class OffsetRMSNorm(nn.Module):

@@ -23,7 +23,8 @@ Invariants:
 - GQA: query head h reads KV head h // QUERY_GROUP_SIZE.
 - block_tables[i] covers positions 0 … seq_len_i - 1; K/V of this step are already in the cache
   (store_kvcache ran first).
-- head_dim is a power of two (64, 128 or Qwen3.5's 256 here); on a GPU, BLOCK_M and BLOCK_N are >= 16 (tl.dot).
+- head_dim is a power of two (64, 128 or Qwen3.5's 256 here); on a GPU, BLOCK_M and BLOCK_N
+  are >= 16 (tl.dot).
 """
 
 from dataclasses import dataclass
