@@ -16,8 +16,11 @@ tokenizer is the real Qwen3 one (W sends token ids). Published reference: nano-v
 Qwen3.5 branch, 5,338 tok/s on W on an H20 (4.0 TB/s). Goals: W >= 20,000 output tok/s, single
 stream <= 1.2 ms/token.
 
-Run (CUDA machine): python -m benchmarks.phase7_qwen3_5 [--quick] [--out DIR]
-Writes phase7_qwen3_5.json into --out.
+The single stream also records what one decode step launches (torch.profiler: kernels per step
+and GPU µs per kind, as benchmarks/phase7_optim.py does for Qwen3).
+
+Run (CUDA machine): python -m benchmarks.phase7_qwen3_5 [--quick] [--single-only] [--out DIR]
+Writes phase7_qwen3_5.json into --out (phase7_qwen3_5_single.json with --single-only).
 """
 
 import json
@@ -29,6 +32,7 @@ import torch
 
 import phase7_optim
 from benchmarks.harness import Timer, benchmark_parser, parse_args, workload_w, write_result
+from benchmarks.phase7_optim import profile_decode_step
 
 # Qwen3.5-0.8B's text model (config.json of Qwen/Qwen3.5-0.8B, text_config).
 QWEN3_5_0_8B = dict(
@@ -139,7 +143,7 @@ def w_floor(llm, workload, steps: int) -> float:
     return decode_bytes / COPY_BANDWIDTH + 2 * params * prompt_tokens / MATMUL_FLOPS
 
 
-def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
+def single_stream(checkpoint: Path, enforce_eager: bool, profile: bool = False) -> dict:
     llm = make_llm(checkpoint, max_num_seqs=1, max_num_batched_tokens=1024, num_kv_blocks=64,
                    enforce_eager=enforce_eager)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
@@ -163,12 +167,16 @@ def single_stream(checkpoint: Path, enforce_eager: bool) -> dict:
     floor_ms = step_bytes / COPY_BANDWIDTH * 1e3
     result = {"ttft_ms": ttft * 1e3, "ms_per_token": ms, "floor_ms_per_token": floor_ms,
               "fraction_of_floor": floor_ms / ms, "step_bytes": step_bytes}  # fmt: skip
+    if profile:
+        result["decode_step_b1"] = profile_decode_step(llm, 1)
     llm.shutdown()
     return result
 
 
 def build_parser():
-    return benchmark_parser(__doc__, threads=False)  # timed on a GPU
+    parser = benchmark_parser(__doc__, threads=False)  # timed on a GPU
+    parser.add_argument("--single-only", action="store_true", help="the single stream only")
+    return parser
 
 
 def main():
@@ -186,7 +194,10 @@ def main():
             "quick": args.quick,
             "goals": {"w_tok_s": W_GOAL, "single_ms": SINGLE_GOAL},
         }
-        result["single_stream"] = single_stream(checkpoint, enforce_eager=False)
+        result["single_stream"] = single_stream(checkpoint, enforce_eager=False, profile=True)
+        if args.single_only:
+            print(json.dumps(result, indent=1))
+            return write_result("phase7_qwen3_5_single", result, args.out)
         result["single_stream_eager"] = single_stream(checkpoint, enforce_eager=True)
         print(json.dumps(result, indent=1), flush=True)
         result["w"] = run_w(checkpoint, workload)

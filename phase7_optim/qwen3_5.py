@@ -167,7 +167,8 @@ class Qwen3_5Config:
 class OffsetRMSNorm(nn.Module):
     """RMSNorm with gain (1 + w), multiplied in float32 before rounding (vLLM's GemmaRMSNorm).
     Given the residual stream, it adds first, as norm.RMSNorm does: (norm(x + r), x + r). On
-    CUDA phase 7's fused kernels run it with the float32 gain 1 + w."""
+    CUDA phase 7's fused kernels run it, adding the 1 in fp32 themselves (`offset=True`): a gain
+    computed in torch would be two more launches for each of the step's 61 norms."""
 
     def __init__(self, hidden_size: int, eps: float, kernels: KernelConfig = DEFAULT_KERNELS):
         super().__init__()
@@ -181,22 +182,23 @@ class OffsetRMSNorm(nn.Module):
                 from .kernels.fused import fused_add_rms_norm  # here: CPU-only installs
 
                 pdl = self.kernels.programmatic_launch
-                return fused_add_rms_norm(x, residual, self.gain(), self.eps, pdl), residual
+                out = fused_add_rms_norm(x, residual, self.weight, self.eps, pdl, offset=True)
+                return out, residual
             residual = x + residual
             return self.forward(residual), residual
         if self.kernels.use_triton(x):
             from .kernels.fused import rms_norm
 
-            return rms_norm(x, self.gain(), self.eps, self.kernels.programmatic_launch)
+            pdl = self.kernels.programmatic_launch
+            return rms_norm(x, self.weight, self.eps, pdl, offset=True)
         y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
-    def gain(self) -> torch.Tensor:
-        return 1.0 + self.weight.float()
-
 
 class GatedAttention(nn.Module):
-    """Qwen3's paged GQA attention with an output gate and partial RoPE."""
+    """Qwen3's paged GQA attention with an output gate and partial RoPE. On CUDA, as Qwen3's:
+    q/k norm, RoPE (of the first rotary_dim dims) and the KV store are one kernel, the gate
+    another (kernels/fused.py), where torch takes some forty small ones."""
 
     def __init__(self, config: Qwen3_5Config, rotary: RotaryEmbedding, kv_layer: int, kernels):
         super().__init__()
@@ -224,15 +226,32 @@ class GatedAttention(nn.Module):
         N, H, D = x.shape[0], self.num_heads, self.head_dim
         q_gate, k, v = self.gated_qkv_proj(x).split(self.gated_qkv_proj.local_sizes, dim=-1)
         q, gate = q_gate.view(N, H, 2 * D).chunk(2, dim=-1)
-        k = k.reshape(N, self.num_kv_heads, D)
-        v = v.reshape(N, self.num_kv_heads, D)
-        q = self.rope(self.q_norm(q.contiguous()), positions)
-        k = self.rope(self.k_norm(k), positions)
+        k = k.view(N, self.num_kv_heads, D)
+        v = v.view(N, self.num_kv_heads, D)
         k_cache, v_cache = kv_cache.k[self.kv_layer], kv_cache.v[self.kv_layer]
         backend = kv_cache.attention_backend
+        if self.kernels.use_triton(x):
+            return self._kernels(q, gate, k, v, positions, batch, k_cache, v_cache, backend)
+        q = self.rope(self.q_norm(q.contiguous()), positions)
+        k = self.rope(self.k_norm(k), positions)
         backend.store(k, v, k_cache, v_cache, batch)
         out = backend.attend(q, k_cache, v_cache, batch, self.kernels)
         return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate.reshape(N, -1)))
+
+    def _kernels(self, q, gate, k, v, positions, batch, k_cache, v_cache, backend):
+        from .kernels.fused import qk_norm_rope, qk_norm_rope_store, sigmoid_gate_mul
+
+        cos, sin, eps = self.rotary.cos, self.rotary.sin, self.q_norm.eps
+        q_w, k_w, pdl = self.q_norm.weight, self.k_norm.weight, self.kernels.programmatic_launch
+        if self.kernels.fuse_rope_kv_store:
+            q = qk_norm_rope_store(q, k, v, q_w, k_w, cos, sin, positions, eps, k_cache, v_cache,
+                                   batch.slot_mapping, pdl, offset=True)  # fmt: skip
+        else:
+            q = qk_norm_rope(q, q_w, cos, sin, positions, eps, offset=True)
+            k = qk_norm_rope(k, k_w, cos, sin, positions, eps, offset=True)
+            backend.store(k, v, k_cache, v_cache, batch)
+        out = backend.attend(q, k_cache, v_cache, batch, self.kernels)
+        return self.o_proj(sigmoid_gate_mul(out.reshape(q.shape[0], -1), gate, pdl))
 
 
 class GatedRMSNorm(nn.Module):
@@ -309,8 +328,7 @@ class GatedDeltaNet(nn.Module):
         """Decode steps (CUDA graphs) take the one-token kernels, others the chunked ones."""
         from . import kernels  # here: CPU-only installs may lack Triton
 
-        slots, pdl = batch.state_slots, self.kernels.programmatic_launch
-        b, a = b.contiguous(), a.contiguous()
+        slots, pdl = batch.state_slots, self.kernels.programmatic_launch  # a, b: strided views
         if batch.max_query_len == 1:
             qkv = kernels.causal_conv1d_update(qkv, conv_state, weight, slots, pdl)
             q, k, v = self._heads(qkv)

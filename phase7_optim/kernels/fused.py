@@ -1,5 +1,6 @@
 """Fused element-wise kernels: RMSNorm (alone, or after the residual add), SiLU-and-multiply,
-per-head q/k RMSNorm + RoPE (alone, or with the KV-cache store).
+per-head q/k RMSNorm + RoPE (alone, or with the KV-cache store), an attention output's sigmoid
+gate.
 
 Problem: in torch each line of norm.py, rope.py and mlp.py is its own kernel: an RMSNorm is seven
 (upcast, square, mean, add eps, rsqrt, multiply, downcast, gain), q/k norm + RoPE on both q and k
@@ -17,15 +18,20 @@ readable definition; these kernels are checked against them (tests/phase7/test_f
 Invariants:
 - the last dimension of every input is contiguous; rows may be strided (q, k and v are views into
   the fused qkv projection's output);
-- `rms_norm`: y = x / sqrt(mean(x^2) + eps) * weight, in fp32, stored in x's dtype;
+- `rms_norm`: y = x / sqrt(mean(x^2) + eps) * weight, in fp32, stored in x's dtype; with
+  `offset` the gain is 1 + weight (Qwen3.5 stores w - 1), added in fp32 inside the kernel so the
+  gain is no extra launch;
 - `fused_add_rms_norm`: residual <- x + residual (rounded to the dtype, as torch's add), then
   y = rms_norm(residual): bit for bit the unfused add followed by `rms_norm`'s arithmetic;
 - `silu_and_mul`: x = [gate | up] along the last dim -> silu(gate) * up;
 - `qk_norm_rope`: each head vector is RMS-normalized with its gain (q's or k's; skipped when the
   model has no q/k norm), then rotated by its token's position with the half-split (HF) pairing
-  of rope.py: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin);
+  of rope.py: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); with `rotary_dim` < head_dim
+  (partial RoPE) only the first rotary_dim dims rotate, the rest are normalized only;
 - `qk_norm_rope_store`: the same for q and k, and k (rotated) and v go to the paged cache at
-  `slot_mapping` (kv_store.py's contract: PAD_SLOT_ID writes nothing); returns q only.
+  `slot_mapping` (kv_store.py's contract: PAD_SLOT_ID writes nothing); returns q only;
+- `sigmoid_gate_mul`: x (N, H * D) times sigmoid(gate), gate (N, H, D) a strided view (Qwen3.5's
+  q projection interleaves [q | gate] per head).
 """
 
 import torch
@@ -41,6 +47,7 @@ SILU_BLOCK = 1024  # columns of SiLU-and-multiply per program
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr,
+    OFFSET: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     launch_dependents(PDL)  # a GEMV after it may start loading its weights (kernels/pdl.py)
@@ -51,14 +58,18 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:  # Qwen3.5's gain 1 + w, in fp32
+        w += 1.0
     tl.store(
         out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True, offset: bool = False
+) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (..., C) -> same shape and dtype. `pdl`: launched with
-    programmatic dependent launch where the GPU has it (kernels/pdl.py)."""
+    programmatic dependent launch where the GPU has it (kernels/pdl.py); `offset`: gain 1 + w."""
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols)
     assert x2.stride(-1) == 1 and weight.shape == (n_cols,)
@@ -67,7 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), n_cols, eps,
-            BLOCK=triton.next_power_of_2(n_cols), PDL=pdl, **pdl_launch(pdl),
+            BLOCK=triton.next_power_of_2(n_cols), OFFSET=offset, PDL=pdl,
+            **pdl_launch(pdl),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -76,6 +88,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True
 def _fused_add_rms_norm_kernel(
     x_ptr, residual_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
     BLOCK: tl.constexpr,
+    OFFSET: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     launch_dependents(PDL)
@@ -90,13 +103,20 @@ def _fused_add_rms_norm_kernel(
     h = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / n_cols + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:  # Qwen3.5's gain 1 + w, in fp32
+        w += 1.0
     tl.store(
         out_ptr + row * stride_o + offs, (h * rstd * w).to(out_ptr.dtype.element_ty), mask=mask
     )
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    pdl: bool = True,
+    offset: bool = False,
 ) -> torch.Tensor:
     """residual += x (in place), then RMSNorm of it -> a new tensor; x, residual (N, C) alike."""
     n_rows, n_cols = residual.shape
@@ -107,7 +127,8 @@ def fused_add_rms_norm(
     if n_rows:
         _fused_add_rms_norm_kernel[(n_rows,)](
             x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n_cols, eps,
-            BLOCK=triton.next_power_of_2(n_cols), PDL=pdl, **pdl_launch(pdl),
+            BLOCK=triton.next_power_of_2(n_cols), OFFSET=offset, PDL=pdl,
+            **pdl_launch(pdl),
         )  # fmt: skip
     return out
 
@@ -142,24 +163,53 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rope_heads(src, w_ptr, cos, sin, offs, rows, eps, HALF: tl.constexpr, NORM: tl.constexpr):
-    """Head vectors at `src` (pointers to each row's first element), `rows` masking the padded
-    ones: RMSNorm each with the gain at `w_ptr` (if NORM), then RoPE -> the two rotated halves,
-    (rows, HALF) each, in fp32."""
-    x1 = tl.load(src[:, None] + offs[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(src[:, None] + HALF + offs[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
-    if NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
-        x1 = x1 * rstd[:, None] * tl.load(w_ptr + offs)[None, :].to(tl.float32)
-        x2 = x2 * rstd[:, None] * tl.load(w_ptr + HALF + offs)[None, :].to(tl.float32)
-    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+def _gain(w_ptr, offs, mask, OFFSET: tl.constexpr):
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        w += 1.0
+    return w
 
 
 @triton.jit
-def _store_halves(dst, y1, y2, offs, rows, HALF: tl.constexpr):
-    ptrs = dst[:, None] + offs[None, :]
-    tl.store(ptrs, y1.to(dst.dtype.element_ty), mask=rows[:, None])
-    tl.store(ptrs + HALF, y2.to(dst.dtype.element_ty), mask=rows[:, None])
+def _norm_rope_heads(
+    src, dst, w_ptr, cos, sin, rows, eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    NORM: tl.constexpr,
+    OFFSET: tl.constexpr,
+):  # fmt: skip
+    """Head vectors at `src` (pointers to each row's first element), `rows` masking the padded
+    ones, into `dst`: RMSNorm each over HEAD_DIM with the gain at `w_ptr` (if NORM; 1 + w if
+    OFFSET), then RoPE on its first 2 * HALF dims; the TAIL (a power of two >= HEAD_DIM - 2 *
+    HALF, 0 when every dim rotates) is normalized only. Arithmetic in fp32."""
+    offs = tl.arange(0, HALF)
+    m = rows[:, None]
+    x1 = tl.load(src[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src[:, None] + HALF + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    if TAIL:  # partial RoPE: the dims past the rotated ones
+        t_offs = 2 * HALF + tl.arange(0, TAIL)
+        t_in = t_offs < HEAD_DIM
+        x3 = tl.load(src[:, None] + t_offs[None, :], mask=m & t_in[None, :], other=0.0)
+        x3 = x3.to(tl.float32)
+    if NORM:
+        square_sum = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+        if TAIL:
+            square_sum += tl.sum(x3 * x3, 1)
+        rstd = 1.0 / tl.sqrt(square_sum / HEAD_DIM + eps)
+        x1 = x1 * rstd[:, None] * _gain(w_ptr, offs, offs < HALF, OFFSET)[None, :]
+        x2 = x2 * rstd[:, None] * _gain(w_ptr + HALF, offs, offs < HALF, OFFSET)[None, :]
+        if TAIL:
+            x3 = x3 * rstd[:, None] * _gain(w_ptr, t_offs, t_in, OFFSET)[None, :]
+    y1 = x1 * cos[None, :] - x2 * sin[None, :]
+    y2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out = dst[:, None] + offs[None, :]
+    tl.store(out, y1.to(dst.dtype.element_ty), mask=m)
+    tl.store(out + HALF, y2.to(dst.dtype.element_ty), mask=m)
+    if TAIL:
+        tl.store(
+            dst[:, None] + t_offs[None, :], x3.to(dst.dtype.element_ty), mask=m & t_in[None, :]
+        )
 
 
 @triton.jit
@@ -168,18 +218,31 @@ def _qk_norm_rope_kernel(
     stride_xt, stride_xh, stride_ot, stride_oh, stride_cos,
     n_heads, eps,
     BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
+    TAIL: tl.constexpr,
     NORM: tl.constexpr,
+    OFFSET: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     offs, heads = tl.arange(0, HALF), tl.arange(0, BLOCK_H)
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + position * stride_cos + offs)
     sin = tl.load(sin_ptr + position * stride_cos + offs)
-    rows = heads < n_heads
     src = x_ptr + token * stride_xt + heads * stride_xh
-    y1, y2 = _norm_rope_heads(src, w_ptr, cos, sin, offs, rows, eps, HALF, NORM)
-    _store_halves(out_ptr + token * stride_ot + heads * stride_oh, y1, y2, offs, rows, HALF)
+    dst = out_ptr + token * stride_ot + heads * stride_oh
+    _norm_rope_heads(
+        src, dst, w_ptr, cos, sin, heads < n_heads, eps, HEAD_DIM, HALF, TAIL, NORM, OFFSET
+    )
+
+
+def rope_layout(head_dim: int, cos: torch.Tensor) -> dict:
+    """The kernels' HEAD_DIM, HALF (rotated pairs: cos's columns) and TAIL (unrotated dims, as a
+    power of two; 0 for full RoPE)."""
+    half = cos.shape[-1]
+    assert 0 < 2 * half <= head_dim and half == triton.next_power_of_2(half), "tl.arange: 2^k"
+    tail = head_dim - 2 * half
+    return dict(HEAD_DIM=head_dim, HALF=half, TAIL=triton.next_power_of_2(tail) if tail else 0)
 
 
 def qk_norm_rope(
@@ -189,12 +252,13 @@ def qk_norm_rope(
     sin: torch.Tensor,
     positions: torch.Tensor,
     eps: float,
+    offset: bool = False,
 ) -> torch.Tensor:
-    """x (N, heads, D): per-head RMSNorm with `weight` (None: none), then RoPE at `positions`
-    (N,) with the (max_pos, D / 2) fp32 tables `cos`, `sin` -> a new contiguous (N, heads, D)."""
+    """x (N, heads, D): per-head RMSNorm with `weight` (None: none; `offset`: gain 1 + weight),
+    then RoPE at `positions` (N,) with the (max_pos, R / 2) fp32 tables `cos`, `sin` on the first
+    R dims of each head (R = D: all of them) -> a new contiguous (N, heads, D)."""
     n_tokens, n_heads, head_dim = x.shape
-    assert x.stride(-1) == 1 and cos.shape[-1] * 2 == head_dim and cos.stride() == sin.stride()
-    assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
+    assert x.stride(-1) == 1 and cos.stride() == sin.stride()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_tokens:
         _qk_norm_rope_kernel[(n_tokens,)](
@@ -202,8 +266,9 @@ def qk_norm_rope(
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
             n_heads, eps,
             BLOCK_H=triton.next_power_of_2(n_heads),
-            HALF=head_dim // 2,
             NORM=weight is not None,
+            OFFSET=offset,
+            **rope_layout(head_dim, cos),
         )  # fmt: skip
     return out
 
@@ -218,8 +283,11 @@ def _qk_norm_rope_store_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
+    TAIL: tl.constexpr,
     NORM: tl.constexpr,
+    OFFSET: tl.constexpr,
     PAD_SLOT: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -231,10 +299,11 @@ def _qk_norm_rope_store_kernel(
     cos = tl.load(cos_ptr + position * stride_cos + offs)
     sin = tl.load(sin_ptr + position * stride_cos + offs)
     heads = tl.arange(0, BLOCK_H)
-    rows = heads < n_heads
     src = q_ptr + token * stride_qt + heads * stride_qh
-    y1, y2 = _norm_rope_heads(src, q_w_ptr, cos, sin, offs, rows, eps, HALF, NORM)
-    _store_halves(q_out_ptr + token * stride_ot + heads * stride_oh, y1, y2, offs, rows, HALF)
+    dst = q_out_ptr + token * stride_ot + heads * stride_oh
+    _norm_rope_heads(
+        src, dst, q_w_ptr, cos, sin, heads < n_heads, eps, HEAD_DIM, HALF, TAIL, NORM, OFFSET
+    )
 
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot != PAD_SLOT:  # a CUDA graph's padded row writes nowhere
@@ -242,14 +311,16 @@ def _qk_norm_rope_store_kernel(
         kv_heads = tl.arange(0, BLOCK_KV)
         kv_rows = kv_heads < n_kv_heads
         k_src = k_ptr + token * stride_kt + kv_heads * stride_kh
-        k1, k2 = _norm_rope_heads(k_src, k_w_ptr, cos, sin, offs, kv_rows, eps, HALF, NORM)
         k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_heads * stride_kch
-        _store_halves(k_dst, k1, k2, offs, kv_rows, HALF)
+        _norm_rope_heads(
+            k_src, k_dst, k_w_ptr, cos, sin, kv_rows, eps, HEAD_DIM, HALF, TAIL, NORM, OFFSET
+        )
+        dims = tl.arange(0, HEAD_DIM)
         v_src = v_ptr + token * stride_vt + kv_heads * stride_vh
-        v1 = tl.load(v_src[:, None] + offs[None, :], mask=kv_rows[:, None])
-        v2 = tl.load(v_src[:, None] + HALF + offs[None, :], mask=kv_rows[:, None])
+        v = tl.load(v_src[:, None] + dims[None, :], mask=kv_rows[:, None])
         v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_heads * stride_vch
-        _store_halves(v_dst, v1, v2, offs, kv_rows, HALF)
+        tl.store(v_dst[:, None] + dims[None, :], v.to(v_cache_ptr.dtype.element_ty),
+                 mask=kv_rows[:, None])  # fmt: skip
 
 
 def qk_norm_rope_store(
@@ -266,6 +337,7 @@ def qk_norm_rope_store(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     pdl: bool = True,
+    offset: bool = False,
 ) -> torch.Tensor:
     """q (N, H, D), k and v (N, Hkv, D): `qk_norm_rope` of q and k, with k and v stored into the
     paged caches at `slot_mapping` (N,) in the same launch -> the rotated q, (N, H, D)."""
@@ -292,10 +364,43 @@ def qk_norm_rope_store(
             BLOCK_H=triton.next_power_of_2(n_heads),
             BLOCK_KV=triton.next_power_of_2(n_kv_heads),
             BLOCK_SIZE=k_cache.shape[1],
-            HALF=head_dim // 2,
             NORM=norm,
+            OFFSET=offset,
             PAD_SLOT=PAD_SLOT_ID,
             PDL=pdl,
+            **rope_layout(head_dim, cos),
             **pdl_launch(pdl),
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_mul_kernel(
+    x_ptr, gate_ptr, out_ptr, stride_x, stride_gt, stride_gh, stride_o,
+    HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    launch_dependents(PDL)  # o_proj's GEMV may start loading its weights
+    wait_for_previous(PDL)  # x: the attention output
+    row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = tl.arange(0, HEAD_DIM)
+    x = tl.load(x_ptr + row * stride_x + head * HEAD_DIM + offs).to(tl.float32)
+    g = tl.load(gate_ptr + row * stride_gt + head * stride_gh + offs).to(tl.float32)
+    y = x / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + row * stride_o + head * HEAD_DIM + offs, y.to(out_ptr.dtype.element_ty))
+
+
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """x (N, H * D) contiguous rows, gate (N, H, D) with a contiguous last dim -> x * sigmoid(gate)
+    as (N, H * D) in x's dtype (one launch where torch takes a copy, a sigmoid and a product)."""
+    n_rows, n_heads, head_dim = gate.shape
+    assert x.shape == (n_rows, n_heads * head_dim) and x.stride(-1) == gate.stride(-1) == 1
+    assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    pdl = pdl and supports_pdl(x.device)
+    if n_rows:
+        _sigmoid_gate_mul_kernel[(n_rows, n_heads)](
+            x, gate, out, x.stride(0), gate.stride(0), gate.stride(1), out.stride(0),
+            HEAD_DIM=head_dim, PDL=pdl, **pdl_launch(pdl),
         )  # fmt: skip
     return out

@@ -155,7 +155,8 @@ def test_qk_norm_rope_store_is_norm_rope_then_store(qk_norm):
 
 PDL_KERNELS = [
     fused._rms_norm_kernel, fused._fused_add_rms_norm_kernel, fused._silu_and_mul_kernel,
-    fused._qk_norm_rope_store_kernel, paged_decode._paged_decode_split_kernel,
+    fused._qk_norm_rope_store_kernel, fused._sigmoid_gate_mul_kernel,
+    paged_decode._paged_decode_split_kernel,
     paged_decode._paged_decode_reduce_kernel,
 ]  # fmt: skip
 

@@ -3,6 +3,7 @@
 prefill, preemption and aborts, the memory budget that counts the state pool, and what one GPU
 cannot do (tensor parallelism). The kernels themselves: test_gated_delta_kernels.py."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -136,6 +137,76 @@ def test_greedy_tokens_equal_transformers(qwen3_5_dir, prompts, oracle, caplog):
     assert [o.outputs[0].token_ids for o in outs] == oracle
 
 
+@pytest.mark.parametrize("fuse_store", [True, False], ids=["one-kernel", "rope-then-store"])
+def test_gated_attention_kernels_equal_its_torch_ops(fuse_store, qwen3_5_dir):
+    """On CUDA the gated attention's q/k norms (gain 1 + w), partial RoPE (8 of 32 dims) and KV
+    store are one kernel and its sigmoid gate another (kernels/fused.py); interpreted on CPU
+    they give what the torch ops give: the output, the cache at the written slots, padded rows
+    (PAD_SLOT_ID) and every other slot untouched."""
+    from phase7_optim.kernels import PAD_SLOT_ID
+
+    torch_attn = load_model(qwen3_5_dir).model.model.layers[3].self_attn
+    kernels = KernelConfig(interpret_on_cpu=True, fuse_rope_kv_store=fuse_store)
+    kernel_attn = load_model(qwen3_5_dir, kernels=kernels).model.model.layers[3].self_attn
+    with torch.no_grad():  # gains away from 1 + 0: an offset applied twice, or not, shows
+        for norm in ("q_norm", "k_norm"):
+            getattr(torch_attn, norm).weight.uniform_(-0.5, 0.5)
+            getattr(kernel_attn, norm).weight.copy_(getattr(torch_attn, norm).weight)
+    c, block_size = load_model(qwen3_5_dir).config, 4
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    # Two sequences: a 3-token prefill, and a 2-token chunk at positions 4-5 (its first four
+    # tokens' junk stands in for their cached keys in block 2).
+    batch = ForwardBatch(
+        query_start_loc=i32([0, 3, 5]), seq_lens=i32([3, 6]),
+        slot_mapping=i32([0, 1, 2, 12, 13]), block_tables=i32([[0, 1], [2, 3]]),
+        logits_indices=i32([2, 4]), max_query_len=3, max_seq_len=6, block_size=block_size,
+    )  # fmt: skip
+    positions = torch.tensor([0, 1, 2, 4, 5])
+    torch.manual_seed(3)
+    x = torch.randn(5, c.hidden_size)
+    caches = []
+    for attn in (torch_attn, kernel_attn):
+        torch.manual_seed(4)  # the same junk in both caches
+        kv = KVCache(1, 4, block_size, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        kv.k[0].normal_(), kv.v[0].normal_()
+        with torch.inference_mode():
+            out = attn(x, positions, batch, kv)
+        caches.append((out, kv.k[0].clone(), kv.v[0].clone()))
+    (out, k, v), (kernel_out, kernel_k, kernel_v) = caches
+    torch.testing.assert_close(kernel_out, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel_k, k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel_v, v, atol=1e-5, rtol=1e-5)  # the GEMV rounds its own way
+
+    # A row with slot PAD_SLOT_ID (a CUDA graph's padding) writes neither cache.
+    padded = dataclasses.replace(batch, slot_mapping=i32([0, 1, 2, 12, PAD_SLOT_ID]))
+    torch.manual_seed(4)
+    kv = KVCache(1, 4, block_size, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    kv.k[0].normal_(), kv.v[0].normal_()
+    junk = kv.k[0][3, 1].clone(), kv.v[0][3, 1].clone()  # slot 13
+    with torch.inference_mode():
+        kernel_attn(x, positions, padded, kv)
+    assert torch.equal(kv.k[0][3, 1], junk[0]) and torch.equal(kv.v[0][3, 1], junk[1])
+
+
+def test_offset_norm_kernels_equal_the_torch_norm(qwen3_5_dir):
+    """OffsetRMSNorm's kernels add the 1 of the gain 1 + w themselves (no torch launches):
+    alone, and fused with the residual add."""
+    from phase7_optim.qwen3_5 import OffsetRMSNorm
+
+    torch.manual_seed(5)
+    torch_norm = OffsetRMSNorm(64, 1e-6)
+    kernel_norm = OffsetRMSNorm(64, 1e-6, KernelConfig(interpret_on_cpu=True))
+    with torch.no_grad():
+        torch_norm.weight.uniform_(-0.5, 0.5)
+        kernel_norm.weight.copy_(torch_norm.weight)
+    x, residual = torch.randn(3, 64), torch.randn(3, 64)
+    torch.testing.assert_close(kernel_norm(x), torch_norm(x), atol=1e-5, rtol=1e-5)
+    out, stream = torch_norm(x, residual.clone())
+    kernel_out, kernel_stream = kernel_norm(x, residual.clone())
+    assert torch.equal(kernel_stream, stream)
+    torch.testing.assert_close(kernel_out, out, atol=1e-5, rtol=1e-5)
+
+
 def run_checked(engine, prompts, params) -> tuple[list[list[int]], int]:
     """Runs every prompt to the end, checking scheduler and pool after each step ->
     (token ids per prompt, preemptions seen)."""
@@ -242,3 +313,53 @@ def test_gpu_greedy_tokens_equal_transformers(enforce_eager, qwen3_5_dir, prompt
     tokens, preempted = run_checked(llm.engine, prompts, params)
     assert preempted > 0
     assert tokens == oracle
+
+
+@pytest.mark.gpu
+def test_gpu_gated_attention_kernels_at_0_8b_heads():
+    """Qwen3.5-0.8B's attention heads (8 q and 2 KV of 256, RoPE on the first 64 dims, q/k gains
+    1 + w, the sigmoid gate) in bf16 on the GPU, against the torch ops in fp32 on the CPU."""
+    from phase7_optim.kernels.fused import qk_norm_rope_store, sigmoid_gate_mul
+    from phase7_optim.qwen3_5 import OffsetRMSNorm
+    from phase7_optim.rope import RotaryEmbedding
+
+    from .test_kernels import relative_error
+
+    torch.manual_seed(8)
+    tokens, heads, kv_heads, head_dim, rotary_dim, eps = 200, 8, 2, 256, 64, 1e-6
+    qkv = torch.randn(tokens, (2 * heads + 2 * kv_heads) * head_dim)
+    norms = [OffsetRMSNorm(head_dim, eps) for _ in range(2)]
+    for norm in norms:
+        torch.nn.init.uniform_(norm.weight, -0.5, 0.5)
+    rotary = RotaryEmbedding(rotary_dim, 32768, 1e7)
+    positions = torch.randint(0, 32768, (tokens,))
+
+    def reference(x, norm):
+        x = norm(x)
+        return torch.cat((rotary(x[..., :rotary_dim], positions), x[..., rotary_dim:]), dim=-1)
+
+    def views(qkv):  # strided, as the model's split of its gated qkv projection makes them
+        q_gate, k, v = qkv.split(
+            [2 * heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
+        )
+        q, gate = q_gate.view(tokens, heads, 2 * head_dim).chunk(2, dim=-1)
+        return q, gate, k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+
+    q, gate, k, v = views(qkv)
+    gpu_q, gpu_gate, gpu_k, gpu_v = views(qkv.cuda().bfloat16())
+    gains = [norm.weight.detach().cuda().bfloat16() for norm in norms]
+    slot_mapping = torch.randperm(32 * 16, device="cuda")[:tokens].int()
+    k_cache = torch.zeros(32, 16, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    q_out = qk_norm_rope_store(gpu_q, gpu_k, gpu_v, *gains, rotary.cos.cuda(), rotary.sin.cuda(),
+                               positions.cuda(), eps, k_cache, v_cache, slot_mapping,
+                               offset=True)  # fmt: skip
+    slots = slot_mapping.long()
+    with torch.no_grad():
+        assert relative_error(q_out.cpu(), reference(q, norms[0])) < 1e-2
+        stored_k = k_cache.view(-1, kv_heads, head_dim)[slots].cpu()
+        assert relative_error(stored_k, reference(k, norms[1])) < 1e-2
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], gpu_v)
+    out = torch.randn(tokens, heads * head_dim)
+    gated = sigmoid_gate_mul(out.cuda().bfloat16(), gpu_gate)
+    assert relative_error(gated.cpu(), out * torch.sigmoid(gate.reshape(tokens, -1))) < 1e-2
