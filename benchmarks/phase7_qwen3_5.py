@@ -31,31 +31,16 @@ from pathlib import Path
 import torch
 
 import phase7_optim
-from benchmarks.harness import Timer, benchmark_parser, parse_args, workload_w, write_result
+from benchmarks.harness import (
+    QWEN3_5_0_8B,
+    Timer,
+    benchmark_parser,
+    parse_args,
+    workload_w,
+    write_result,
+)
 from benchmarks.phase7_optim import profile_decode_step
 
-# Qwen3.5-0.8B's text model (config.json of Qwen/Qwen3.5-0.8B, text_config).
-QWEN3_5_0_8B = dict(
-    model_type="qwen3_5_text",
-    vocab_size=248320,
-    hidden_size=1024,
-    intermediate_size=3584,
-    num_hidden_layers=24,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    full_attention_interval=4,
-    max_position_embeddings=32768,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    eos_token_id=248044,
-)
 COPY_BANDWIDTH = 4.252e12  # bytes/s, measured on the lent H200 (2026-11-29)
 MATMUL_FLOPS = 772e12  # bf16, same day
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, BLOCK_SIZE = 256, 16384, 16

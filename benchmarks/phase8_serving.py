@@ -34,6 +34,10 @@ through the stub server LOADS times, the server's CPU per request (phase8_servin
 `--data-parallel-only SIZES` (e.g. 1,2; one GPU per engine core): the tuned server at each
 `--data-parallel-size`, W streamed twice (the first load warms a fresh server), and `dp_speedup`,
 each size's second load over the first size's (phase8_serving_dp.json; goal at 2: >= 1.8).
+`--qwen3-5-only`: the hybrid model, Qwen3.5-0.8B shapes (dummy weights), tuned flags: W offline,
+then streamed at saturation through one server twice; `served_over_offline` from the second
+load (the first, a fresh server's, is recorded beside it; goal >= 0.95;
+phase8_serving_qwen3_5.json; with --quick a tiny Qwen3.5 on the CPU).
 """
 
 import argparse
@@ -57,6 +61,7 @@ import torch
 
 from benchmarks.harness import (
     QWEN3_0_6B,
+    QWEN3_5_0_8B,
     W_TEMPERATURE,
     Request,
     benchmark_parser,
@@ -71,6 +76,11 @@ from phase8_serving.model_runner import SampledTokens
 
 TINY = {**QWEN3_0_6B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}  # fmt: skip
+TINY_QWEN3_5 = {**QWEN3_5_0_8B, "vocab_size": QWEN3_0_6B["vocab_size"], "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16}  # fmt: skip
 TUNED = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "num_kv_blocks": 40000,
          "enable_prefix_caching": False, "load_format": "dummy"}  # fmt: skip
 QUICK_TUNED = {**TUNED, "max_num_seqs": 8, "max_num_batched_tokens": 512, "num_kv_blocks": 256}
@@ -85,7 +95,11 @@ def write_checkpoint(directory: Path, config: dict, tokenizer_dir: Path) -> Path
     """config.json and the tokenizer: all `--load-format dummy` reads."""
     from transformers import Qwen3Config
 
-    Qwen3Config(**config).save_pretrained(directory)
+    if config["model_type"] == "qwen3_5_text":  # the engine reads config.json as written
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(config))
+    else:
+        Qwen3Config(**config).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, directory / name)
     return directory
@@ -436,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-parallel-only", type=parallel_sizes, metavar="SIZES",
                         default=None, help="only data parallelism: the tuned server at each "
                         "--data-parallel-size in SIZES (e.g. 1,2), W streamed twice")  # fmt: skip
+    parser.add_argument("--qwen3-5-only", action="store_true",
+                        help="only Qwen3.5-0.8B shapes: W offline, then streamed through the "
+                        "tuned server twice")  # fmt: skip
     parser.add_argument("--serve-stub", nargs=2, metavar=("CHECKPOINT", "PORT"),
                         help=argparse.SUPPRESS)  # fmt: skip
     return parser
@@ -509,6 +526,23 @@ def run_engine_and_server(model: Path, device: str, flags: dict, workload) -> di
     }
 
 
+def run_qwen3_5(model: Path, device: str, flags: dict, workload) -> dict:
+    """The hybrid model: W offline, then streamed at saturation through one tuned server twice;
+    the second load is the one compared (a fresh server's first compiles and allocates)."""
+    print("Qwen3.5 offline ...")
+    offline = run_offline(model, workload, device, flags)
+    print(f"  {offline['output_tok_s']:,.0f} output tok/s")
+    print("Qwen3.5 served, tuned flags, twice ...")
+    first, timed = serve_runs(serve_command(model, device, flags), workload, [(True, math.inf)] * 2)
+    return {
+        "baseline": {"offline": offline},
+        "served_tuned": {"first_load": first, "stream_saturation": timed},
+        "served_over_offline": timed["output_tok_s"] / offline["output_tok_s"],
+        "first_load_over_offline": first["output_tok_s"] / offline["output_tok_s"],
+        "goal_served_over_offline": 0.95,
+    }
+
+
 def run_dashboard_only(args, device: str, flags: dict, workload) -> dict:
     watch = [False, True] * args.dashboard_only
     with tempfile.TemporaryDirectory() as tmp:
@@ -548,6 +582,15 @@ def main() -> None:
                                      args.tokenizer_dir)  # fmt: skip
             payload |= run_data_parallel(model, device, flags, workload, args.data_parallel_only)
         write_result("phase8_serving_dp" + "_quick" * quick, payload, args.out)
+        return
+    if args.qwen3_5_only:
+        payload["workload"]["model"] = "Qwen3.5-0.8B shapes, dummy weights" if not quick else "tiny"
+        with tempfile.TemporaryDirectory() as tmp:
+            model = write_checkpoint(Path(tmp) / "model", TINY_QWEN3_5 if quick else QWEN3_5_0_8B,
+                                     args.tokenizer_dir)  # fmt: skip
+            payload |= run_qwen3_5(model, device, flags, workload)
+        path = write_result("phase8_serving_qwen3_5" + "_quick" * quick, payload, args.out)
+        print(f"Qwen3.5 served/offline {payload['served_over_offline']:.2f}; wrote {path}")
         return
     if args.admission_only:
         with tempfile.TemporaryDirectory() as tmp:
