@@ -20,7 +20,8 @@ The single stream also records what one decode step launches (torch.profiler: ke
 and GPU µs per kind, as benchmarks/phase7_optim.py does for Qwen3).
 
 Run (CUDA machine): python -m benchmarks.phase7_qwen3_5 [--quick] [--single-only] [--out DIR]
-Writes phase7_qwen3_5.json into --out (phase7_qwen3_5_single.json with --single-only).
+Writes phase7_qwen3_5.json into the --out directory; with --single-only,
+phase7_qwen3_5_single.json.
 """
 
 import json
