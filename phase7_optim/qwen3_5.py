@@ -23,9 +23,11 @@ kernels/causal_conv1d.py) that read and write each sequence's state in place by 
 decode step (the recurrence once per token) is captured in a CUDA graph like any other; padded
 graph rows have slot PAD_SLOT_ID and touch no state. Prefill and mixed steps run the chunked
 kernels over the packed batch. Matrices that read the same input are stacked (`in_proj` holds
-in_proj_qkv, in_proj_z, in_proj_b and in_proj_a; `qkv_proj` q_proj, k_proj and v_proj), the
-norms are phase 7's fused kernels with the (1 + w) gain, attention is the paged kernels (head_dim
-256). One GPU only: tensor parallelism is not built for this model.
+in_proj_qkv, in_proj_z, in_proj_b and in_proj_a; `gated_qkv_proj` q_proj, k_proj and v_proj),
+the norms are phase 7's fused kernels with the (1 + w) gain added inside them, the gated
+attention's q/k norms, partial RoPE and KV store one fused kernel and its output gate another,
+attention the paged kernels (head_dim 256). One GPU only: tensor parallelism is not built for
+this model.
 
 Invariants:
 - `state_dict()` keys are the text model's checkpoint keys (`Qwen3_5ForCausalLM`'s, the stacked
@@ -239,7 +241,11 @@ class GatedAttention(nn.Module):
         return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate.reshape(N, -1)))
 
     def _kernels(self, q, gate, k, v, positions, batch, k_cache, v_cache, backend):
-        from .kernels.fused import qk_norm_rope, qk_norm_rope_store, sigmoid_gate_mul
+        from .kernels.fused import (  # here: CPU-only installs may lack Triton
+            qk_norm_rope,
+            qk_norm_rope_store,
+            sigmoid_gate_mul,
+        )
 
         cos, sin, eps = self.rotary.cos, self.rotary.sin, self.q_norm.eps
         q_w, k_w, pdl = self.q_norm.weight, self.k_norm.weight, self.kernels.programmatic_launch
