@@ -18,27 +18,60 @@ tests/test_benchmarks_cli.py holds every script to it.
 import argparse
 import enum
 import json
+import os
+import platform
+import random
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-# The workloads and the environment stamp are phase 8's (`mini-vllm bench` draws the same
-# requests), imported from there: one definition.
-from phase8_serving import bench
-from phase8_serving.bench import (  # noqa: F401
-    W_ID_RANGE,
-    W_NUM_REQUESTS,
-    W_OUTPUT_LEN,
-    W_PROMPT_LEN,
-    W_TEMPERATURE,
-    seeded_workload,
-    workload_w,
-)
-from phase8_serving.bench import BenchRequest as Request  # noqa: F401
+# Workload W, nano-vllm's bench.py workload: 256 requests, prompts of 100-1,024 random ids below
+# 10,001, max_tokens 100-1,024, ignore_eos, temperature 0.6. 142,827 prompt + 133,966 output tokens.
+# Defined here, not imported from phase 8 (whose `mini-vllm bench` draws the same requests from
+# its own copy: tests/test_benchmarks_cli.py checks the two agree), so that the benchmarks of
+# phases 0-7 run where phase 8's server dependencies are not installed.
+W_NUM_REQUESTS = 256
+W_PROMPT_LEN = (100, 1024)
+W_OUTPUT_LEN = (100, 1024)
+W_ID_RANGE = 10001  # randint(0, 10000): ids 0..10000
+W_TEMPERATURE = 0.6
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+def seeded_workload(
+    seed: int,
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+) -> list[Request]:
+    """Random prompts (ids below `vocab_size`) and output lengths, both uniform in their inclusive
+    ranges, drawn like nano-vllm's bench.py (all prompts first, then all output lengths), so that
+    workload W is `workload_w()`."""
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randint(0, vocab_size - 1) for _ in range(rng.randint(*prompt_len))]
+        for _ in range(num_requests)
+    ]
+    max_tokens = [rng.randint(*output_len) for _ in range(num_requests)]
+    return [Request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+
+
+def workload_w() -> list[Request]:
+    return seeded_workload(0, W_NUM_REQUESTS, W_PROMPT_LEN, W_OUTPUT_LEN, W_ID_RANGE)
+
 
 # Qwen3-0.6B's shapes, workload W's model (benchmarks/README.md), as its config.json says them:
 # every benchmark at these shapes builds its model (random weights: values do not matter) from this.
@@ -167,7 +200,35 @@ def window_medians(times: list[float], window: int) -> list[float]:
 
 
 def environment() -> dict:
-    return {**bench.environment(), "torch_threads": torch.get_num_threads()}
+    """Date, commit, machine and versions: what every benchmark's JSON records beside its
+    numbers."""
+    env = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def git_commit() -> str:
+    """The commit that ran. `MINI_VLLM_COMMIT` wins when set: a copied working tree (the GPU
+    box's) may carry a stale .git that would name an older commit."""
+    if os.environ.get("MINI_VLLM_COMMIT"):
+        return os.environ["MINI_VLLM_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).parent,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
 
 
 def write_result(name: str, payload: dict, out: Path | None = None) -> Path:

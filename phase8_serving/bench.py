@@ -60,8 +60,8 @@ def seeded_workload(
     vocab_size: int,
 ) -> list[BenchRequest]:
     """Random prompts (ids below `vocab_size`) and output lengths, both uniform in their inclusive
-    ranges, the same for the same arguments wherever they are drawn (the repository's benchmarks
-    draw theirs here too).
+    ranges, the same for the same arguments wherever they are drawn (benchmarks/harness.py draws
+    the repository's benchmarks' the same way: a test holds the two to the same W).
 
     Drawn like nano-vllm's bench.py (all prompts first, then all output lengths), so that
     workload W is `workload_w()`.
@@ -105,7 +105,7 @@ def random_dataset(
 
 def environment() -> dict:
     """Date, commit, machine and versions: what every benchmark's JSON records beside its numbers
-    (the repository's benchmarks stamp theirs with this too)."""
+    (benchmarks/harness.py stamps the repository's benchmarks the same way)."""
     env = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),

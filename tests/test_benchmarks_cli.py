@@ -1,10 +1,13 @@
 """Every benchmark keeps benchmarks/README.md's promise: one command line, built on
 `harness.benchmark_parser` (`--out DIR` defaulting to a scratch directory, `--quick`, `--threads`
-where it means something), so that trying a script never overwrites a committed result."""
+where it means something), so that trying a script never overwrites a committed result; and
+the harness they share holds workload W itself."""
 
 import importlib
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,16 @@ def test_serving_benchmark_takes_data_parallel_sizes(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["--data-parallel-only", bad])
         assert "sizes are integers >= 1" in capsys.readouterr().err
+
+
+def test_the_harness_needs_no_phase_8_and_draws_the_same_w_as_mini_vllm_bench():
+    """The benchmarks of phases 0-7 import the harness: it must not pull in phase 8 (a server's
+    dependencies) for workload W, and its W must be the one `mini-vllm bench` draws."""
+    code = "import sys, benchmarks.harness; sys.exit('phase8_serving' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+    from phase8_serving import bench
+
+    ours = [(r.prompt_ids, r.max_tokens) for r in harness.workload_w()]
+    assert ours == [(r.prompt_ids, r.max_tokens) for r in bench.workload_w()]
+    assert sum(len(p) for p, _ in ours) == 142_827 and sum(m for _, m in ours) == 133_966
+    assert harness.W_TEMPERATURE == bench.W_TEMPERATURE
