@@ -291,6 +291,7 @@ def core_info(engine: LLMEngine) -> CoreInfo:
     return CoreInfo(
         vocab_size=model_config.vocab_size,
         max_position_embeddings=model_config.max_position_embeddings,
+        max_model_len=engine.kv_cache_config.max_model_len,
         # the cache as built (its size may be computed at start-up, not given in the config)
         num_kv_slots=len(engine.block_manager.blocks) * config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens,

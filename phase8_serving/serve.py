@@ -6,7 +6,8 @@ on its own for a front end elsewhere (vLLM's entrypoints/cli/serve.py).
   engine cores started elsewhere; on SIGTERM or Ctrl-C it stops accepting connections, lets
   in-flight requests run for at most `--shutdown-timeout` seconds (vLLM's flag; 0, the default,
   aborts them at once), then exits. It logs the KV cache's capacity in tokens and the maximum
-  concurrency at the longest request, as vLLM does;
+  concurrency at the longest request (`--max-model-len`, an engine flag: the engine core
+  resolves and enforces it, and the server refuses longer requests with a 400), as vLLM does;
 - `mini-vllm engine-core [MODEL] --address tcp://HOST:PORT`: one engine core, which serves
   whichever front end said hello last.
 
@@ -41,7 +42,6 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the port to listen on")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
     p.add_argument("--served-model-name", default=None, help="the name clients use as model")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion cap")
     p.add_argument("--shutdown-timeout", type=seconds, default=0.0,
                    help="seconds in-flight requests may run after SIGTERM before they are "
                    "aborted (0: at once)")  # fmt: skip
@@ -77,10 +77,12 @@ def core_spec(args: argparse.Namespace) -> EngineCoreSpec:
     """The engine core's recipe from the flags; a bad flag or model path fails here, at once."""
     from .default_model import default_model_dir
     from .engine_core import EngineCoreSpec
-    from .loader import resolve_model_dir
+    from .kv_cache_config import model_len
+    from .loader import read_model_config, resolve_model_dir
 
     config = EngineConfig(**engine_kwargs(args))
     model_dir = resolve_model_dir(default_model_dir() if args.model is None else args.model)
+    model_len(read_model_config(model_dir), config)  # a --max-model-len past the context fails
     return EngineCoreSpec(str(model_dir), args.dtype, args.device, config)
 
 
@@ -107,7 +109,7 @@ def serve(args: argparse.Namespace) -> None:
             if (value := getattr(args, name)) is not None
         }
         config = ServerConfig(
-            name, resolve_max_model_len(llm.info, args.max_model_len), args.api_key,
+            name, llm.info.max_model_len, args.api_key,
             enable_log_requests=args.enable_log_requests,
             enable_dashboard=not args.disable_dashboard, **limits,
         )  # fmt: skip
@@ -163,19 +165,6 @@ def log_kv_capacity(info: CoreInfo, num_cores: int, max_model_len: int) -> None:
         "per request: %.1fx", info.num_kv_slots, num_cores, max_model_len,
         num_cores * info.num_kv_slots / max_model_len,
     )  # fmt: skip
-
-
-def resolve_max_model_len(info: CoreInfo, requested: int | None) -> int:
-    """The model's context, or less when asked; never more than the KV cache can ever hold."""
-    limit = min(info.max_position_embeddings, info.num_kv_slots)
-    if requested is None:
-        return limit
-    if not 2 <= requested <= limit:
-        raise ValueError(
-            f"--max-model-len must be in [2, {limit}] (the model's context and the KV cache), "
-            f"got {requested}"
-        )
-    return requested
 
 
 def add_engine_core_parser(subparsers) -> None:
