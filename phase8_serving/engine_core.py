@@ -31,6 +31,7 @@ import gc
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -320,7 +321,18 @@ def run_engine_core(
     started on its own (`mini-vllm engine-core`), which runs until it is stopped. `log_level`:
     the front end's, for a spawned core (a spawned process starts with logging unconfigured, and
     would drop its start-up lines: the KV cache's size among them).
+
+    Stopping is quiet. Ctrl-C, or a SIGTERM sent to the process group (a service manager's), reaches
+    a spawned core together with its front end, whose call it is: the front end lets requests in
+    flight finish (`--shutdown-timeout`), then sends `Shutdown`, so the core ignores both signals
+    (and still exits if the front end itself is gone). A core on its own stops on either, through
+    the same cleanup. Either way it exits with code 0.
     """
+    if parent_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, stop_on_signal)
     if log_level is not None:
         logging.basicConfig(level=log_level, format=LOG_FORMAT)
     if spec.visible_devices is not None:  # before anything initializes CUDA
@@ -332,13 +344,21 @@ def run_engine_core(
     context = zmq.Context()
     socket = make_socket(context, zmq.ROUTER)
     socket.bind(address)  # first: a taken address fails before the slow load
-    llm = spec.make_llm(spec)
-    freeze_startup_heap()
+    llm = None
     try:
+        llm = spec.make_llm(spec)
+        freeze_startup_heap()
         EngineCore(llm.engine, spec, socket).run(parent_pid)
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the front end reports
-        pass
+    except KeyboardInterrupt:  # a core on its own, stopped by Ctrl-C or SIGTERM
+        logger.info("engine core stopped")
     finally:
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
+        # frozen objects are never freed: at exit triton's bindings would report them as leaks
+        gc.unfreeze()
         socket.close()
         context.term()
+
+
+def stop_on_signal(signum: int, frame) -> None:
+    raise KeyboardInterrupt  # leaves the loop through run_engine_core's cleanup

@@ -93,6 +93,11 @@ def serve(args: argparse.Namespace) -> None:
     from .async_engine import AsyncLLM
     from .default_model import MODEL_NAME
 
+    # Ctrl-C and SIGTERM stop the server quietly, with exit code 0 (a normal shutdown): uvicorn
+    # handles them while it runs, then re-raises the one it got; exiting through Python (not by
+    # the signal's default action, nor as a KeyboardInterrupt's traceback) runs the cleanup below
+    signal.signal(signal.SIGINT, exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     args.model = serve_model(args)
     name = args.served_model_name or args.model or MODEL_NAME
     spec = core_spec(args)
@@ -120,9 +125,6 @@ def serve(args: argparse.Namespace) -> None:
         if config.enable_dashboard:
             key = "?key=KEY" if args.api_key else ""
             log.info("dashboard: %s/dashboard%s", url, key)
-        # uvicorn re-raises the SIGTERM it handled once it has shut down; exiting through Python
-        # (not by the signal's default action) runs the cleanup below
-        signal.signal(signal.SIGTERM, exit_on_sigterm)
         uvicorn.Server(uvicorn_config(app, args)).run()
     finally:
         llm.shutdown()  # stops the engine cores (and their tensor-parallel workers)
@@ -146,7 +148,7 @@ def uvicorn_config(app, args: argparse.Namespace):
     )  # fmt: skip
 
 
-def exit_on_sigterm(signum: int, frame) -> None:
+def exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(0)
 
 
