@@ -11,7 +11,7 @@ everything that is text. They speak over one ZeroMQ socket (a ROUTER here), in t
 core_messages.py: requests in, batched; ONE `StepOutputs` out per engine step.
 
 Invariants:
-- the core never detokenizes: its requests use `RequestOutputKind.DELTA_TOKEN_IDS`; stop tokens,
+- the core never detokenizes: the engine speaks token ids only (`TokenIdsOutput`); stop tokens,
   EOS and max_tokens end a request here, stop strings in the front end (which then aborts it);
 - inputs are drained, all of them, between steps: a step never runs with an abort still unread,
   and a `GetState` reply reflects every message sent before it;
@@ -56,7 +56,7 @@ from .core_messages import (
     WatchEngine,
     make_socket,
 )
-from .engine import LLM, LLMEngine, RequestOutputKind, TokenIdsOutput
+from .engine import LLM, LLMEngine, TokenIdsOutput
 from .metrics import EngineStats
 from .snapshot import engine_snapshot
 
@@ -196,9 +196,7 @@ class EngineCore:
         rejected = []
         for r in requests:
             try:
-                self.engine.add_request(
-                    r.prompt_token_ids, r.params, r.request_id, RequestOutputKind.DELTA_TOKEN_IDS
-                )
+                self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
             except ValueError as e:  # the front end checks first; this is the last line
                 rejected.append(EngineCoreOutput(r.request_id, [], None, "error", str(e)))
                 continue

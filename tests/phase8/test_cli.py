@@ -165,12 +165,13 @@ def test_chat_ctrl_c_at_the_prompt_ends_quietly(capsys):
 
 
 def test_stopping_a_reply_aborts_its_request(tiny_dir):
-    engine = LLM(tiny_dir, dtype="float32", device="cpu").engine
+    llm = LLM(tiny_dir, dtype="float32", device="cpu")
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    deltas = cli.stream_reply(engine, [{"role": "user", "content": "Hi"}], params)
+    deltas = cli.stream_reply(llm, [{"role": "user", "content": "Hi"}], params)
     next(deltas)
     deltas.close()  # what leaving the `with closing(...)` does on Ctrl-C
-    assert not engine.has_unfinished_requests()
+    assert not engine.has_unfinished_requests() and not llm.processor.states
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_free_blocks == engine.kv_cache_config.num_blocks
 
