@@ -69,15 +69,15 @@ import torch
 from tqdm.auto import tqdm
 
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, engine_config
 from .default_model import default_model_dir
 from .distributed import TensorParallel
-from .kv_cache_config import determine_kv_cache_config, log_kv_cache
+from .kv_cache_config import determine_kv_cache_config, log_kv_cache, model_len
 from .loader import load_model, read_model_config, resolve_device, resolve_dtype, resolve_model_dir
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner, SampledTokens
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
-from .sampling import SamplingParams
+from .sampling import SEED_LIMIT, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer, check_conversations, find_stop_string
@@ -162,7 +162,7 @@ class LLMEngine:
         self.trace = trace
         # Sized from the device's memory (kv_cache_config.py); never written into the config.
         self.kv_cache_config = determine_kv_cache_config(model, self.config)
-        log_kv_cache(self.kv_cache_config, device.type, model.config.max_position_embeddings)
+        log_kv_cache(self.kv_cache_config, device.type)
         prefix_caching = self.config.enable_prefix_caching
         if prefix_caching and is_hybrid(model.config):
             logger.warning(
@@ -200,6 +200,11 @@ class LLMEngine:
         check_optional("request_id", request_id, str)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
+        if self.config.max_model_len is not None and max_len > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.config.max_model_len})"
+            )
         if max_len > self.model.config.max_position_embeddings:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -401,11 +406,20 @@ def stop_hold_back(params: SamplingParams) -> int:
     return max((len(stop) - 1 for stop in params.stop), default=0)
 
 
+# `LLM`'s own keyword arguments; every other one is an engine argument (config.engine_config)
+LLM_ARGUMENTS = ("model", "dtype", "device", "trace", "seed")
+
+
 class LLM:
     """Offline batch inference: `LLM("Qwen/Qwen3-0.6B").generate(prompts, params)`, vLLM's shape.
 
     `model`: a local Hugging Face directory or a hub id; None means the embedded SmolLM2.
     `dtype`: "auto" (bf16 on a bf16-capable GPU, else fp32), or "float32"/"bfloat16"/"float16".
+    `seed`: seeds torch's random state, which requests without a seed of their own draw from
+    (vLLM's engine seed); None leaves it as it is.
+    `engine_kwargs`: vLLM's engine arguments (max_model_len, max_num_seqs, gpu_memory_utilization,
+    tensor_parallel_size, enforce_eager, ...): `EngineConfig`'s fields, and vLLM's other names
+    for them (config.py's `engine_config`); an unknown one is a TypeError that lists them.
     Every option is checked before the slow load.
     """
 
@@ -415,20 +429,28 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
         trace: StepTrace | None = None,
+        seed: int | None = None,
         **engine_kwargs,
     ):
-        config = EngineConfig(**engine_kwargs)  # bad settings fail before the slow load
+        # bad settings fail before the slow load
+        config = engine_config("LLM", engine_kwargs, LLM_ARGUMENTS)
         if model is not None and not isinstance(model, str | os.PathLike):
             raise TypeError(f"model must be a str, a path or None, got {type(model).__name__}")
         check_optional("trace", trace, StepTrace)
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT
+        ):
+            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
         device = resolve_device(device)
         resolve_dtype(dtype, device)  # raises on an unknown dtype
         config = config.for_device(device.type)  # every rank gets the same batch sizes
         model_dir = resolve_model_dir(default_model_dir() if model is None else model)
         # Tensor parallelism (worker.py): ranks 1.. load their shards in their own processes
         # and follow this one's steps; with one rank there is no process group at all.
+        model_config = read_model_config(model_dir)
+        model_len(model_config, config)  # raises if max_model_len exceeds the model's context
         tp = TensorParallel(0, config.tensor_parallel_size)
-        if tp.size > 1 and is_hybrid(read_model_config(model_dir)):
+        if tp.size > 1 and is_hybrid(model_config):
             raise ValueError(
                 "Qwen3.5 runs on one GPU here: tensor parallelism is not built for its DeltaNet "
                 "layers (tensor_parallel_size must be 1)"
@@ -441,6 +463,8 @@ class LLM:
         self.engine = LLMEngine(loaded.model, tokenizer, config, trace)
         if self.workers is not None:
             atexit.register(self.shutdown)
+        if seed is not None:  # last: loading and profiling draw nothing a request would see
+            torch.manual_seed(seed)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers: CUDA graphs first, then the process group."""

@@ -108,9 +108,8 @@ class ModelRunner:
         pool = () if self.state_pool is None else (self.state_pool,)
         self.caches = (self.kv_cache, *pool)
         self.block_size = config.block_size
-        # A block table never outgrows the model's context (the engine rejects longer requests).
-        max_len = min(c.max_position_embeddings, kv_cache_config.num_tokens)
-        self.max_blocks = -(-max_len // self.block_size)
+        # A block table never outgrows max_model_len (the engine rejects longer requests).
+        self.max_blocks = -(-kv_cache_config.max_model_len // self.block_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = StepInputs(max_tokens, config.max_num_seqs, self.max_blocks, self.block_size,
                                  self.device, state_slots=hybrid)  # fmt: skip

@@ -23,6 +23,7 @@ Invariants:
 import atexit
 import multiprocessing
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,9 @@ def start_workers(
 
 def run_worker(tp: TensorParallel, spec: WorkerSpec) -> None:
     """A worker process's whole life: join the group, load its shard, follow rank 0's steps."""
+    # Ctrl-C reaches the whole process group: rank 0 stops the workers (`TPWorkers.stop`) once it
+    # has left its step; a worker interrupted in a collective would leave rank 0 hanging in it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     device = rank_device(torch.device(spec.device_type), tp.rank)
     init_process_group(tp, device, spec.port)

@@ -6,9 +6,11 @@ processes (`engine_core.py`, token ids only), the server's process keeps the tex
 request), and a FastAPI app (`api_server.build_app`) speaks /v1/completions and
 /v1/chat/completions, streaming included, to any OpenAI client. `mini-vllm
 serve|engine-core|generate|chat|bench` (cli.py) is the command line. The engine gains what clients
-ask for: presence/frequency/repetition penalties and logprobs. The server's modules (which need
-fastapi, uvicorn, prometheus_client, pyzmq, msgspec) are not imported here, so the offline `LLM`
-works without them. Importing this package only defines things, and loads nothing
+ask for: presence/frequency/repetition penalties and logprobs. The offline `LLM` is the same two
+halves in one process: the engine (token ids only) and the server's output processor (text, stop
+strings), vLLM v1's shape. The HTTP server's modules (which need fastapi, uvicorn, pydantic) are
+not imported here, so the offline `LLM` works without them. Importing this package only defines
+things, and loads nothing
 heavy: the names below are imported from their modules on first use (a module `__getattr__`, PEP
 562), so that the `mini-vllm` command can set OpenMP's wait policy before torch loads (cli.py).
 """

@@ -28,6 +28,9 @@ DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no TLS
 DEFAULT_PORT = 8000
 # vLLM's other names for a flag, where it has them
 FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",)}
+# what a flag left out means, where "the device's" would not say it
+DEVICE_DEFAULT = "the device's"
+NONE_MEANS = {"max_model_len": "the model's context, or the KV cache's size if smaller"}
 log = logging.getLogger(__name__)
 
 
@@ -55,7 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]
         field_help = f"EngineConfig.{f.name}"
         if f.default is None:  # the engine chooses (kv_cache_config.py, EngineConfig.for_device)
-            field_help += " (default: the device's)"
+            field_help += f" (default: {NONE_MEANS.get(f.name, DEVICE_DEFAULT)})"
         if hints[f.name] is bool:
             parser.add_argument(
                 *flags, action=argparse.BooleanOptionalAction, default=f.default, help=field_help

@@ -104,8 +104,7 @@ class AsyncLLM:
             info.block_size, info.num_kv_slots // info.block_size, info.num_cpu_kv_blocks,
             info.enable_prefix_caching,
         )  # fmt: skip
-        max_model_len = min(info.max_position_embeddings, info.num_kv_slots)
-        self.metrics = EngineMetrics(model_name, lambda: self.stats, max_model_len, cache_info)
+        self.metrics = EngineMetrics(model_name, lambda: self.stats, info.max_model_len, cache_info)
         self.processor = OutputProcessor(tokenizer, self.metrics)
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             TOKENIZER_THREADS, thread_name_prefix="tokenizer"
@@ -253,15 +252,10 @@ def check_prompt(info: CoreInfo, prompt: list[int], params: SamplingParams) -> N
     if min(prompt) < 0 or max(prompt) >= info.vocab_size:
         raise ValueError(f"prompt token ids must be ints in [0, {info.vocab_size})")
     max_len = len(prompt) + params.max_tokens
-    if max_len > info.max_position_embeddings:
+    if max_len > info.max_model_len:  # within the model's context and the KV cache
         raise ValueError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-            f"model's context ({info.max_position_embeddings})"
-        )
-    if max_len > info.num_kv_slots:
-        raise ValueError(
-            f"prompt + max_tokens ({max_len}) can never fit in the KV cache "
-            f"({info.num_kv_slots} slots)"
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"max_model_len ({info.max_model_len})"
         )
     if not info.enable_chunked_prefill and max_len > info.max_num_batched_tokens:
         raise ValueError(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import logging
 import os
@@ -52,7 +53,7 @@ from .bench import add_bench_parser, run_bench
 from .serve import add_engine_core_parser, add_serve_parser
 
 if typing.TYPE_CHECKING:
-    from .engine import LLM, LLMEngine, Message, RequestOutput
+    from .engine import LLM, Message, RequestOutput
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
 
@@ -83,7 +84,7 @@ def generate(args: argparse.Namespace) -> None:
         prompts = (
             [user_turn(llm.get_tokenizer(), p) for p in args.prompt] if args.chat else args.prompt
         )
-        outputs = generate_with_progress(llm.engine, prompts, params)
+        outputs = generate_with_progress(llm, prompts, params)
         for i, out in enumerate(outputs, start=1):
             completion = out.outputs[0]
             tokens, reason = len(completion.token_ids), completion.finish_reason
@@ -101,28 +102,33 @@ def user_turn(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)  # the template holds them
 
 
-def generate_with_progress(
-    engine: LLMEngine, prompts: list, params: SamplingParams
-) -> list[RequestOutput]:
+def generate_with_progress(llm: LLM, prompts: list, params: SamplingParams) -> list[RequestOutput]:
     """Runs every prompt to completion, counting generated tokens on stderr as they come."""
     from tqdm.auto import tqdm
 
-    ids = [engine.add_request(p, params) for p in prompts]
-    done: dict[str, RequestOutput] = {}
-    counted = dict.fromkeys(ids, 0)
+    ids = [llm.add_request(p, params) for p in prompts]  # deltas, each step
+    deltas: dict[str, list[RequestOutput]] = {i: [] for i in ids}
     try:
         with tqdm(desc="generating", unit=" tokens", file=sys.stderr, disable=None) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    num_tokens = len(out.outputs[0].token_ids)
-                    bar.update(num_tokens - counted[out.request_id])
-                    counted[out.request_id] = num_tokens
-                    if out.finished:
-                        done[out.request_id] = out
+            while llm.has_unfinished_requests():
+                for out in llm.step():
+                    bar.update(len(out.outputs[0].token_ids))
+                    deltas[out.request_id].append(out)
     finally:
         for i in ids:
-            engine.abort_request(i)  # Ctrl-C: nothing keeps running; a finished one: no-op
-    return [done[i] for i in ids]
+            llm.abort_request(i)  # Ctrl-C: nothing keeps running; a finished one: no-op
+    return [whole(deltas[i]) for i in ids]
+
+
+def whole(deltas: list[RequestOutput]) -> RequestOutput:
+    """A request's deltas, in order, as one output."""
+    from .engine import CompletionOutput
+
+    parts = [d.outputs[0] for d in deltas]
+    logprobs = None if parts[0].logprobs is None else [p for c in parts for p in c.logprobs]
+    text, token_ids = "".join(c.text for c in parts), [t for c in parts for t in c.token_ids]
+    completion = CompletionOutput(0, text, token_ids, parts[-1].finish_reason, logprobs)
+    return dataclasses.replace(deltas[-1], outputs=[completion])
 
 
 # -- chat ----------------------------------------------------------------------------------
@@ -137,36 +143,32 @@ def add_chat_parser(subparsers) -> None:
     p.set_defaults(handler=chat)
 
 
-def stream_reply(
-    engine: LLMEngine, messages: list[Message], params: SamplingParams
-) -> Iterator[str]:
-    """Text deltas of the assistant's reply to `messages`, as the engine produces them."""
-    from .streaming import DeltaTracker
-
-    tokenizer = engine.tokenizer
+def stream_reply(llm: LLM, messages: list[Message], params: SamplingParams) -> Iterator[str]:
+    """Text deltas of the assistant's reply to `messages`, as the engine produces them (the
+    output processor holds back what a stop string may still remove: output_processor.py)."""
+    tokenizer = llm.get_tokenizer()
     prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-    request_id = engine.add_request(prompt, params)
-    tracker = DeltaTracker(params.stop)
+    request_id = llm.add_request(prompt, params)
     try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while llm.has_unfinished_requests():
+            for out in llm.step():
                 if out.request_id == request_id:
-                    yield tracker.update(out.outputs[0], out.finished).text
+                    yield out.outputs[0].text
     finally:
-        engine.abort_request(request_id)  # Ctrl-C mid-reply frees its blocks; no-op when done
+        llm.abort_request(request_id)  # Ctrl-C mid-reply frees its blocks; no-op when done
 
 
 def chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
     params = sampling_params(args)
     llm = load_llm(args)
     try:
-        converse(llm.engine, params, args.system_prompt, read)
+        converse(llm, params, args.system_prompt, read)
     finally:
         llm.shutdown()
 
 
 def converse(
-    engine: LLMEngine,
+    llm: LLM,
     params: SamplingParams,
     system_prompt: str | None,
     read: Callable[[str], str],
@@ -188,7 +190,7 @@ def converse(
         messages.append({"role": "user", "content": line})
         reply = ""
         try:  # closing: the request is aborted (its blocks freed) the moment the loop stops
-            with contextlib.closing(stream_reply(engine, messages, params)) as deltas:
+            with contextlib.closing(stream_reply(llm, messages, params)) as deltas:
                 for delta in deltas:
                     reply += delta
                     print(delta, end="", flush=True)

@@ -15,9 +15,17 @@ Each kernel-level speed-up of the CUDA path can be switched off on its own (`Ker
 from the engine's fields of the same names), so a benchmark can measure what each one is worth.
 `async_scheduling` (vLLM's name) overlaps the host's work on the next step with the device's on
 this one (engine.py); unset, it is on where the device runs behind the host (CUDA) and off on
-CPU, where it could only cost an extra step per stopped request.
+CPU, where it could only cost an extra step per stopped request. `max_model_len` caps prompt +
+output tokens below the model's context (kv_cache_config.py resolves it once the cache is sized).
+
+`engine_config` reads `LLM(...)`'s keyword arguments under vLLM's names: this engine's fields,
+vLLM's other names for them (`num_gpu_blocks_override`), and vLLM arguments that have no meaning
+here, accepted at the value that asks for nothing (`quantization=None`) so code written for vLLM
+runs unchanged, refused with an error that names them at any other; anything else is a TypeError
+that lists what is known.
 """
 
+import difflib
 import enum
 import math
 import os
@@ -103,6 +111,7 @@ DEFAULT_KERNELS = KernelConfig()  # every lever on: what a model built without o
 
 # no CPU pool, no GEMV and no LM head in the graphs are valid
 ZERO_ALLOWED = ("num_cpu_kv_blocks", "gemv_max_batch", "lm_head_graph_max_batch")
+MIN_MODEL_LEN = 2  # one prompt token and one output token
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,9 @@ class EngineConfig:
     # hidden states and the LM head runs after the replay (cuda_graph.py says why). 0: never.
     lm_head_graph_max_batch: int = 16
     tensor_parallel_size: int = 1  # ranks (GPUs) splitting the model: distributed.py
+    # Prompt + output tokens a request may hold (vLLM's name); None: the model's context, or what
+    # the KV cache holds if that is less (kv_cache_config.py)
+    max_model_len: int | None = None
     load_format: str = "auto"  # LOAD_FORMATS
     # How num_kv_blocks is sized when unset (vLLM's names): the KV cache takes
     # kv_cache_memory_bytes per rank when set; otherwise on CUDA what is left of the GPU's
@@ -187,6 +199,11 @@ class EngineConfig:
                 f"EngineConfig.num_kv_blocks * block_size must be <= {MAX_KV_SLOTS} (int32 slot "
                 f"ids), got {self.num_kv_blocks * self.block_size}"
             )
+        if self.max_model_len is not None and self.max_model_len < MIN_MODEL_LEN:
+            raise ValueError(
+                f"EngineConfig.max_model_len must be >= {MIN_MODEL_LEN} (a prompt token and an "
+                f"output token), got {self.max_model_len}"
+            )
         check_gpu_memory_utilization(self.gpu_memory_utilization)
         self.kernels  # noqa: B018 (KernelConfig checks its own ranges)
         if self.load_format not in LOAD_FORMATS:
@@ -200,3 +217,67 @@ def check_gpu_memory_utilization(value: object) -> None:
         raise TypeError(f"EngineConfig.gpu_memory_utilization must be a number, got {value!r}")
     if not (math.isfinite(value) and 0 < value <= 1):
         raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {value}")
+
+
+# vLLM's names for this engine's fields, where they differ (EngineArgs, `LLM(**kwargs)`)
+VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
+# vLLM arguments that mean nothing here, each with the value that asks for nothing: accepted at
+# that value, refused at any other (with the reason, or where to look instead)
+VLLM_UNSUPPORTED = {
+    "tokenizer": (None, "the tokenizer is always the checkpoint's own"),
+    "tokenizer_mode": ("auto", "the tokenizer is always the checkpoint's tokenizer.json"),
+    "skip_tokenizer_init": (False, "the engine always loads the checkpoint's tokenizer"),
+    "revision": (None, "pass a local directory, or a hub id at its default revision"),
+    "tokenizer_revision": (None, "the tokenizer is always the checkpoint's own"),
+    "quantization": (None, "weights load in `dtype`; there are no quantized kernels"),
+    "kv_cache_dtype": ("auto", "the KV cache is kept in the model's dtype"),
+    "pipeline_parallel_size": (1, "only tensor parallelism splits a model here"),
+    "data_parallel_size": (1, "engines side by side are `mini-vllm serve --data-parallel-size`"),
+    "swap_space": (0, "swap preemption is preemption_mode='swap' with num_cpu_kv_blocks blocks"),
+    "cpu_offload_gb": (0, "every weight lives on the device"),
+    "enable_lora": (False, "there are no LoRA adapters here"),
+    "speculative_config": (None, "there is no speculative decoding here"),
+    "hf_overrides": (None, "the checkpoint's config.json is read as it is"),
+    "compilation_config": (None, "the model runs eagerly or in CUDA graphs, never torch.compile"),
+}
+# vLLM arguments that change nothing here whatever their value, and why (any value accepted)
+VLLM_IGNORED = {
+    "trust_remote_code": "no code from a checkpoint ever runs: the model classes are ours",
+    "disable_log_stats": "an offline engine logs no periodic stats",
+}
+
+
+def engine_config(caller: str, kwargs: dict[str, object], others: tuple[str, ...]) -> EngineConfig:
+    """`caller`'s engine keyword arguments (vLLM's `EngineArgs`) as an `EngineConfig`.
+
+    `others`: the caller's own keyword arguments, listed with the known ones in the error for an
+    unknown one. Raises TypeError for an unknown argument or one named twice, ValueError for a
+    vLLM argument this engine does not support at the value given.
+    """
+    field_names = {f.name for f in fields(EngineConfig)}
+    known = sorted(field_names | VLLM_ALIASES.keys() | VLLM_UNSUPPORTED.keys() | VLLM_IGNORED.keys()
+                   | set(others))  # fmt: skip
+    config_kwargs = {}
+    for name, value in kwargs.items():
+        if name in VLLM_IGNORED:
+            continue
+        if name in VLLM_UNSUPPORTED:
+            neutral, why = VLLM_UNSUPPORTED[name]
+            if value != neutral:
+                raise ValueError(
+                    f"{caller}(): vLLM's {name}={value!r} is not supported here ({why}); "
+                    f"only {name}={neutral!r}, which changes nothing, is accepted"
+                )
+            continue
+        target = VLLM_ALIASES.get(name, name)
+        if target not in field_names:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(
+                f"{caller}() got an unknown engine argument {name!r}{hint}; the known ones are: "
+                + ", ".join(known)
+            )
+        if target in config_kwargs:
+            raise TypeError(f"{caller}() got {target!r} twice (once as vLLM's {name!r})")
+        config_kwargs[target] = value
+    return EngineConfig(**config_kwargs)

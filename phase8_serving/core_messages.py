@@ -87,6 +87,7 @@ class CoreInfo(Message):
 
     vocab_size: int
     max_position_embeddings: int
+    max_model_len: int  # prompt + output tokens, at most (the engine's, kv_cache_config.py)
     num_kv_slots: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool

@@ -19,19 +19,12 @@ Phase 5: the engine's `BlockManager` is the paged one; blocks that a step filled
 tokens are registered in the prefix cache, and blocks the scheduler swapped are copied first.
 
 Phase 6: real text. `LLM("path/or/hub-id")` (or `LLM()`, the embedded SmolLM2) loads a checkpoint
-and its tokenizer; every request streams its tokens through an incremental detokenizer, stops at
-any of the checkpoint's EOS ids or at a stop string (the text is cut before it), and
-`LLM.chat` renders conversations with the checkpoint's chat template. Streamed text only grows:
-a step's output holds back the last len(stop) - 1 characters that could still begin a stop
-string (vLLM's rule) and any unfinished multi-byte character, so text already shown never changes.
+and its tokenizer; requests stop at any of the checkpoint's EOS ids, and `LLM.chat` renders
+conversations with the checkpoint's chat template.
 
 Phase 7: the engine's own per-step work must stay small next to a GPU step of a few
-milliseconds. Text is what costs: detokenizing every token of every request each step is tens of
-microseconds a request. So a request's text is caught up only when someone reads it: every step
-for a request with stop strings (they are searched in the text), otherwise when an output is
-built. `LLM.generate` asks for final outputs only (`RequestOutputKind.FINAL_ONLY`, vLLM's name),
-so a request without stop strings is detokenized once, when it finishes. The KV cache is sized
-when the engine starts, from the device's memory (kv_cache_config.py), and its capacity logged.
+milliseconds. The KV cache is sized when the engine starts, from the device's memory
+(kv_cache_config.py), and its capacity logged.
 
 Overlap scheduling (`async_scheduling`, vLLM's; SGLang's overlap scheduler): the host's share of
 a step (schedule, prepare, launch, then read the tokens, append them, check stops) leaves the
@@ -52,21 +45,25 @@ after its last real one, so its tokens are those of the engine without overlap. 
 `async_scheduling=False` each step's tokens are read right after its launch: the same code, with
 nothing in flight between steps.
 
-Phase 8: what a server needs from the engine: each output carries the logprobs its request asked
-for, `num_preemptions` counts preemptions for the server's metrics, and `num_steps` and
-`last_schedule` (the step's `SchedulerOutput`) let the dashboard show what the last step ran.
-A server streams, so its
-requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). The server calls
-`abort_request` when a client goes away (the request's blocks are freed at once, or once the step
-computing it on the device is done). The server's engine core process (engine_core.py) asks for
-`DELTA_TOKEN_IDS`: each step's new token ids and no text at all, because its front end
-detokenizes and finds stop strings in another process. `min_tokens` (vLLM's rule): before that
-many tokens, EOS and stop tokens cannot be sampled (model_runner.py) nor end the request, and a
-stop string counts only if it ends in text of a later token. Token ids a request names (stop
-tokens, logit bias) must be in the vocabulary, or `add_request` refuses it. None of this makes
-overlap scheduling wait for a step's tokens: the penalties count a placeholder token on the device,
-min_tokens counts placeholders, and logprobs are computed on the device beside the token they
-describe (model_runner.py).
+Phase 8: text leaves the engine (vLLM v1's split). `LLMEngine` speaks token ids only: each step
+returns a `TokenIdsOutput` per request that got a token (its new ids, their logprobs if asked,
+the finish reason of a stop token, EOS or max_tokens), the engine core process's whole job
+(engine_core.py). Text, stop strings and the hold-back of what a stop string might still remove
+are the output processor's (output_processor.py), beside the HTTP server or, offline, inside
+`LLM`, which is `LLMEngine` + `OutputProcessor` as vLLM v1's `LLMEngine` is `EngineCore` +
+`OutputProcessor`: one rule for streamed and offline text. A stop string found there aborts the
+request in the engine (at once, or once the step computing it on the device is done). `LLM.step`
+gives each request's new text (`RequestOutputKind.DELTA`) or, for `LLM.generate`, one output when
+it finishes (`FINAL_ONLY`); a request that no stop string can end and whose text nobody reads
+before it finishes is detokenized once, at the end (detokenizing every token every step costs
+microseconds a request). The engine also counts `num_preemptions` for the server's metrics, and
+`num_steps` and `last_schedule` (the step's `SchedulerOutput`) let the dashboard show what the
+last step ran. `min_tokens` (vLLM's rule): before that many tokens, EOS and stop tokens cannot be
+sampled (model_runner.py) nor end the request, and a stop string counts only if it ends in text
+of a later token. Token ids a request names (stop tokens, logit bias) must be in the vocabulary,
+or `add_request` refuses it. None of this makes overlap scheduling wait for a step's tokens: the
+penalties count a placeholder token on the device, min_tokens counts placeholders, and logprobs
+are computed on the device beside the token they describe (model_runner.py).
 
 A hybrid model (Qwen3.5) runs with prefix caching off: a cached block would give back keys and
 values, but not the DeltaNet state after them, which only a full recompute rebuilds.
@@ -85,18 +82,26 @@ import torch
 from tqdm.auto import tqdm
 
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, engine_config
+from .core_messages import EngineCoreOutput
 from .default_model import default_model_dir
 from .distributed import TensorParallel
-from .kv_cache_config import determine_kv_cache_config, log_kv_cache
+from .kv_cache_config import determine_kv_cache_config, log_kv_cache, model_len
 from .loader import load_model, read_model_config, resolve_device, resolve_dtype, resolve_model_dir
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner, SampledTokens
+from .output_processor import (
+    OutputProcessor,
+    RequestOutputCollector,
+    RequestState,
+    make_detokenizer,
+)
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling import SEED_LIMIT, SamplingParams, TokenLogprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, check_conversations, find_stop_string
+from .streaming import OutputDelta
+from .tokenizer import Tokenizer, check_conversations
 from .trace import StepTrace
 from .worker import start_workers
 
@@ -126,7 +131,7 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class TokenIdsOutput:
-    """A `DELTA_TOKEN_IDS` request's output: the ids one step added and their logprobs, no text.
+    """A request's output from one step: the ids it added and their logprobs, no text.
     One object, not a `RequestOutput` around a `CompletionOutput`: an engine core makes one per
     request per step, and two dataclasses took 15% of its time."""
 
@@ -137,25 +142,32 @@ class TokenIdsOutput:
 
 
 class RequestOutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"  # an output every step the request gets a token (streaming)
-    FINAL_ONLY = "final_only"  # one output, when the request finishes (offline generate)
-    # each step's new token ids (and logprobs), no text: the engine core's (its front end
-    # detokenizes and searches the stop strings, and aborts the request when it finds one)
-    DELTA_TOKEN_IDS = "delta_token_ids"
+    """What `LLM.step` returns for a request (vLLM's names)."""
 
-    @property
-    def has_text(self) -> bool:
-        return self is not RequestOutputKind.DELTA_TOKEN_IDS
+    DELTA = "delta"  # an output every step the request gets text or a token: the new ones
+    FINAL_ONLY = "final_only"  # one output, the whole completion, when it finishes (generate)
 
 
 @dataclass
 class Request:
     seq: Sequence
-    prompt: str | None  # the text the caller gave, if it gave text
-    detokenizer: IncrementalDetokenizer  # its output_text is the text of the tokens fed so far
-    output_kind: RequestOutputKind
-    num_detokenized: int = 0  # output tokens fed to the detokenizer
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token
+
+
+@dataclass
+class LLMRequest:
+    """A request as `LLM` follows it: the engine's, and its text in the output processor."""
+
+    request: Request
+    prompt: str | None  # the text the caller gave, if it gave text
+    state: RequestState  # its own collector merges the deltas nobody has read yet
+    output_kind: RequestOutputKind
+
+    @property
+    def detokenized_at_end(self) -> bool:
+        """Nobody reads its text before it finishes and no stop string can end it: its ids go
+        to the output processor once, when it finishes."""
+        return self.output_kind is RequestOutputKind.FINAL_ONLY and not self.state.stops
 
 
 class InFlightStep:
@@ -199,7 +211,7 @@ class LLMEngine:
         self.trace = trace
         # Sized from the device's memory (kv_cache_config.py); never written into the config.
         self.kv_cache_config = determine_kv_cache_config(model, self.config)
-        log_kv_cache(self.kv_cache_config, device.type, model.config.max_position_embeddings)
+        log_kv_cache(self.kv_cache_config, device.type)
         prefix_caching = self.config.enable_prefix_caching
         if prefix_caching and is_hybrid(model.config):
             logger.warning(
@@ -231,11 +243,7 @@ class LLMEngine:
         self.last_schedule = SchedulerOutput()  # what the last step ran, for the dashboard
 
     def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str | None = None,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> str:
         """Queues one request; raises (changing nothing) if it is malformed or can never run."""
         check_prompt("prompt", prompt)
@@ -245,6 +253,11 @@ class LLMEngine:
         params.check_token_ids(self.model.config.vocab_size)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
+        if self.config.max_model_len is not None and max_len > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.config.max_model_len})"
+            )
         if max_len > self.model.config.max_position_embeddings:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -265,9 +278,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(seq_id, request_id, prompt_ids, params)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None,
-                                            detokenizer, output_kind)  # fmt: skip
+        self.requests[request_id] = Request(seq)
         self.scheduler.add(seq)
         return request_id
 
@@ -294,9 +305,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
-    def step(self) -> list[RequestOutput | TokenIdsOutput]:
-        """Runs one scheduler step; returns the requests that got a token or finished (a
-        `TokenIdsOutput` for a `DELTA_TOKEN_IDS` request, else a `RequestOutput`). With
+    def step(self) -> list[TokenIdsOutput]:
+        """Runs one scheduler step; returns the requests that got a token or finished. With
         async scheduling the tokens returned are those of the step launched by the call before.
 
         If the step raises, the requests it ran are aborted (their KV freed) and the error
@@ -319,7 +329,7 @@ class LLMEngine:
 
     def _run(
         self, out: SchedulerOutput, previous: InFlightStep | None, start: float
-    ) -> list[RequestOutput | TokenIdsOutput]:
+    ) -> list[TokenIdsOutput]:
         for seq in out.preempted:
             self.runner.preempt(seq)
         self.runner.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
@@ -342,12 +352,7 @@ class LLMEngine:
                 finished += more_finished
         if self.trace is not None:
             self.trace.record(start, time.perf_counter(), out, finished, self.scheduler)
-        outputs = [
-            self._output(seq)
-            for seq in updated
-            if seq.is_finished
-            or self.requests[seq.request_id].output_kind is not RequestOutputKind.FINAL_ONLY
-        ]
+        outputs = [self._output(seq) for seq in updated]
         for seq in finished:
             del self.requests[seq.request_id]  # delivered: the engine forgets it
         return outputs
@@ -387,11 +392,7 @@ class LLMEngine:
             if sample.logprobs is not None:
                 self.requests[seq.request_id].logprobs.append(sample.logprobs)
             updated.append(seq)
-            reason = self._finish_reason(seq, token)
-            # a stop token's own text is never shown; only stop strings need the text each step
-            kind = self.requests[seq.request_id].output_kind
-            if reason is not FinishReason.STOP and seq.params.stop and kind.has_text:
-                reason = self._detokenize(seq) or reason  # the last token has text too
+            reason = self._finish_reason(seq, token)  # stop strings: the output processor's
             if reason is not None:
                 in_flight = next_step is not None and seq.seq_id in next_step.seq_ids
                 self.scheduler.finish(seq, reason, in_flight)
@@ -409,60 +410,16 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def _catch_up_text(self, request: Request, num_tokens: int) -> str:
-        """Feeds the detokenizer the output tokens up to `num_tokens`; returns the new text."""
-        new = request.seq.token_ids[
-            request.seq.num_prompt_tokens + request.num_detokenized :
-            request.seq.num_prompt_tokens + num_tokens
-        ]  # fmt: skip
-        if not new:
-            return ""
-        request.num_detokenized = num_tokens
-        return request.detokenizer.add_tokens(new)
-
-    def _detokenize(self, seq: Sequence) -> FinishReason | None:
-        """Extends the request's text; a stop string ends the request, cut before the stop."""
-        request = self.requests[seq.request_id]
-        delta = self._catch_up_text(request, seq.num_output_tokens)
-        if seq.num_output_tokens <= seq.params.min_tokens:
-            return None  # vLLM's rule: only text of the tokens after min_tokens is searched
-        detokenizer = request.detokenizer
-        match = find_stop_string(detokenizer.output_text, seq.params.stop, len(delta))
-        if match is None:
-            return None
-        detokenizer.output_text = detokenizer.output_text[: match.index]
-        return FinishReason.STOP
-
-    def _output(self, seq: Sequence) -> RequestOutput | TokenIdsOutput:
-        request = self.requests[seq.request_id]
-        if not request.output_kind.has_text:
-            return self._token_ids_output(seq, request)
-        # every token has text but a stop token (a stop string's request is already caught up)
-        stopped = seq.finish_reason is FinishReason.STOP
-        self._catch_up_text(request, seq.num_output_tokens - stopped)
-        if seq.is_finished and seq.finish_reason is not FinishReason.STOP:
-            request.detokenizer.flush()  # a character split at max_tokens still shows up
-        reason = seq.finish_reason.value if seq.finish_reason else None
-        text = request.detokenizer.output_text
-        if not seq.is_finished:  # the tail that may still turn out to start a stop string waits
-            text = text[: len(text) - stop_hold_back(seq.params)]
-        logprobs = list(request.logprobs) if seq.params.logprobs is not None else None
-        completion = CompletionOutput(0, text, seq.output_token_ids, reason, logprobs)
-        return RequestOutput(
-            seq.request_id, request.prompt, seq.prompt_token_ids, [completion], seq.is_finished
-        )
-
-    def _token_ids_output(self, seq: Sequence, request: Request) -> TokenIdsOutput:
+    def _output(self, seq: Sequence) -> TokenIdsOutput:
         """The token this step added and its logprobs; no text, no prompt (the caller has it)."""
         reason = seq.finish_reason.value if seq.finish_reason else None
-        logprobs = request.logprobs[-1:] if seq.params.logprobs is not None else None
-        return TokenIdsOutput(seq.request_id, seq.token_ids[-1:], logprobs, reason)
+        logprobs = self.requests[seq.request_id].logprobs
+        new_logprobs = logprobs[-1:] if seq.params.logprobs is not None else None
+        return TokenIdsOutput(seq.request_id, seq.token_ids[-1:], new_logprobs, reason)
 
 
-def stop_hold_back(params: SamplingParams) -> int:
-    """Characters a running request's text keeps back: a stop string that ends in the next token
-    may start up to len(stop) - 1 characters before the end of the text so far (vLLM's rule)."""
-    return max((len(stop) - 1 for stop in params.stop), default=0)
+# `LLM`'s own keyword arguments; every other one is an engine argument (config.engine_config)
+LLM_ARGUMENTS = ("model", "dtype", "device", "trace", "seed")
 
 
 class LLM:
@@ -470,6 +427,11 @@ class LLM:
 
     `model`: a local Hugging Face directory or a hub id; None means the embedded SmolLM2.
     `dtype`: "auto" (bf16 on a bf16-capable GPU, else fp32), or "float32"/"bfloat16"/"float16".
+    `seed`: seeds torch's random state, which requests without a seed of their own draw from
+    (vLLM's engine seed); None leaves it as it is.
+    `engine_kwargs`: vLLM's engine arguments (max_model_len, max_num_seqs, gpu_memory_utilization,
+    tensor_parallel_size, enforce_eager, ...): `EngineConfig`'s fields, and vLLM's other names
+    for them (config.py's `engine_config`); an unknown one is a TypeError that lists them.
     Every option is checked before the slow load.
     """
 
@@ -479,20 +441,28 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
         trace: StepTrace | None = None,
+        seed: int | None = None,
         **engine_kwargs,
     ):
-        config = EngineConfig(**engine_kwargs)  # bad settings fail before the slow load
+        # bad settings fail before the slow load
+        config = engine_config("LLM", engine_kwargs, LLM_ARGUMENTS)
         if model is not None and not isinstance(model, str | os.PathLike):
             raise TypeError(f"model must be a str, a path or None, got {type(model).__name__}")
         check_optional("trace", trace, StepTrace)
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT
+        ):
+            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
         device = resolve_device(device)
         resolve_dtype(dtype, device)  # raises on an unknown dtype
         config = config.for_device(device.type)  # every rank gets the same batch sizes
         model_dir = resolve_model_dir(default_model_dir() if model is None else model)
         # Tensor parallelism (worker.py): ranks 1.. load their shards in their own processes
         # and follow this one's steps; with one rank there is no process group at all.
+        model_config = read_model_config(model_dir)
+        model_len(model_config, config)  # raises if max_model_len exceeds the model's context
         tp = TensorParallel(0, config.tensor_parallel_size)
-        if tp.size > 1 and is_hybrid(read_model_config(model_dir)):
+        if tp.size > 1 and is_hybrid(model_config):
             raise ValueError(
                 "Qwen3.5 runs on one GPU here: tensor parallelism is not built for its DeltaNet "
                 "layers (tensor_parallel_size must be 1)"
@@ -503,8 +473,12 @@ class LLM:
         loaded = load_model(model_dir, dtype, device, tp, config.load_format, config.kernels)
         tokenizer = Tokenizer.from_dir(loaded.model_dir)
         self.engine = LLMEngine(loaded.model, tokenizer, config, trace)
+        self.processor = OutputProcessor(tokenizer)  # no metrics offline
+        self.requests: dict[str, LLMRequest] = {}
         if self.workers is not None:
             atexit.register(self.shutdown)
+        if seed is not None:  # last: loading and profiling draw nothing a request would see
+            torch.manual_seed(seed)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers: CUDA graphs first, then the process group."""
@@ -554,19 +528,98 @@ class LLM:
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(p, sp, output_kind=RequestOutputKind.FINAL_ONLY))
+                ids.append(self.add_request(p, sp, output_kind=RequestOutputKind.FINAL_ONLY))
             done: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
-                while self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        if out.finished:
-                            done[out.request_id] = out
-                            bar.update(1)
+                while self.has_unfinished_requests():
+                    for out in self.step():
+                        done[out.request_id] = out
+                        bar.update(1)
         except BaseException:
             for i in ids:
-                self.engine.abort_request(i)
+                self.abort_request(i)
             raise
         return [done[i] for i in ids]
+
+    # -- one step at a time (vLLM v1's LLMEngine: the engine core + the output processor) ----
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> str:
+        """Queues one request; raises (changing nothing) if it is malformed or can never run."""
+        check_optional("output_kind", output_kind, RequestOutputKind)
+        request_id = self.engine.add_request(prompt, params, request_id)
+        request = self.engine.requests[request_id]
+        prompt_ids = request.seq.prompt_token_ids
+        tokenizer = self.engine.tokenizer
+        detokenizer = make_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        state = RequestState(request_id, 0, RequestOutputCollector(), detokenizer, params.stop,
+                             0, len(prompt_ids), params.max_tokens, params.min_tokens)  # fmt: skip
+        self.processor.add(state)
+        prompt_text = prompt if isinstance(prompt, str) else None
+        self.requests[request_id] = LLMRequest(request, prompt_text, state, output_kind)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request and frees its KV slots; unknown or finished ids are ignored."""
+        self.requests.pop(request_id, None)
+        self.processor.remove([request_id])
+        self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step and makes its text: a `DELTA` request's new text and token ids
+        (and logprobs), if it got any, and a `FINAL_ONLY` request's whole completion once it
+        finishes. A stop string found in the text ends the request here, and in the engine."""
+        try:
+            outputs = [self._core_output(out) for out in self.engine.step()]
+        except BaseException:  # the engine aborted the requests the step ran: so does this
+            for request_id in [i for i in self.requests if i not in self.engine.requests]:
+                self.abort_request(request_id)
+            raise
+        outputs = [out for out in outputs if out is not None]
+        finished, to_abort = self.processor.process_outputs(outputs, time.monotonic())
+        for request_id in to_abort:  # the engine would go on generating
+            self.engine.abort_request(request_id)
+        finished_ids = {state.request_id for state in finished}
+        results = []
+        for out in outputs:
+            llm_request, done = self.requests[out.request_id], out.request_id in finished_ids
+            if llm_request.output_kind is RequestOutputKind.FINAL_ONLY and not done:
+                continue  # its collector merges the deltas until it finishes
+            if done:
+                del self.requests[out.request_id]
+            deltas = llm_request.state.collector.get_nowait()  # raises if its text failed
+            results.append(self._request_output(llm_request, deltas[0]))
+        return results
+
+    def _core_output(self, out: TokenIdsOutput) -> EngineCoreOutput | None:
+        """The engine's output as the output processor takes it (the engine core's message);
+        None while a request detokenized at its end runs."""
+        llm_request = self.requests[out.request_id]
+        if not llm_request.detokenized_at_end:
+            return EngineCoreOutput(out.request_id, out.new_token_ids, out.new_logprobs,
+                                    out.finish_reason)  # fmt: skip
+        if out.finish_reason is None:
+            return None
+        request = llm_request.request
+        logprobs = list(request.logprobs) if request.seq.params.logprobs is not None else None
+        return EngineCoreOutput(out.request_id, request.seq.output_token_ids, logprobs,
+                                out.finish_reason)  # fmt: skip
+
+    def _request_output(self, llm_request: LLMRequest, delta: OutputDelta) -> RequestOutput:
+        seq = llm_request.request.seq
+        logprobs = None if delta.logprobs is None else list(delta.logprobs)
+        completion = CompletionOutput(0, delta.text, list(delta.token_ids), delta.finish_reason,
+                                      logprobs)  # fmt: skip
+        return RequestOutput(seq.request_id, llm_request.prompt, seq.prompt_token_ids,
+                             [completion], delta.finish_reason is not None)  # fmt: skip
 
 
 def check_batch(

@@ -11,7 +11,7 @@ everything that is text. They speak over one ZeroMQ socket (a ROUTER here), in t
 core_messages.py: requests in, batched; ONE `StepOutputs` out per engine step.
 
 Invariants:
-- the core never detokenizes: its requests use `RequestOutputKind.DELTA_TOKEN_IDS`; stop tokens,
+- the core never detokenizes: the engine speaks token ids only (`TokenIdsOutput`); stop tokens,
   EOS and max_tokens end a request here, stop strings in the front end (which then aborts it);
 - inputs are drained, all of them, between steps: a step never runs with an abort still unread,
   and a `GetState` reply reflects every message sent before it;
@@ -31,6 +31,7 @@ import gc
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -55,7 +56,7 @@ from .core_messages import (
     WatchEngine,
     make_socket,
 )
-from .engine import LLM, LLMEngine, RequestOutputKind, TokenIdsOutput
+from .engine import LLM, LLMEngine, TokenIdsOutput
 from .metrics import EngineStats
 from .snapshot import engine_snapshot
 
@@ -195,9 +196,7 @@ class EngineCore:
         rejected = []
         for r in requests:
             try:
-                self.engine.add_request(
-                    r.prompt_token_ids, r.params, r.request_id, RequestOutputKind.DELTA_TOKEN_IDS
-                )
+                self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
             except ValueError as e:  # the front end checks first; this is the last line
                 rejected.append(EngineCoreOutput(r.request_id, [], None, "error", str(e)))
                 continue
@@ -291,6 +290,7 @@ def core_info(engine: LLMEngine) -> CoreInfo:
     return CoreInfo(
         vocab_size=model_config.vocab_size,
         max_position_embeddings=model_config.max_position_embeddings,
+        max_model_len=engine.kv_cache_config.max_model_len,
         # the cache as built (its size may be computed at start-up, not given in the config)
         num_kv_slots=len(engine.block_manager.blocks) * config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -319,7 +319,18 @@ def run_engine_core(
     started on its own (`mini-vllm engine-core`), which runs until it is stopped. `log_level`:
     the front end's, for a spawned core (a spawned process starts with logging unconfigured, and
     would drop its start-up lines: the KV cache's size among them).
+
+    Stopping is quiet. Ctrl-C, or a SIGTERM sent to the process group (a service manager's), reaches
+    a spawned core together with its front end, whose call it is: the front end lets requests in
+    flight finish (`--shutdown-timeout`), then sends `Shutdown`, so the core ignores both signals
+    (and still exits if the front end itself is gone). A core on its own stops on either, through
+    the same cleanup. Either way it exits with code 0.
     """
+    if parent_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, stop_on_signal)
     if log_level is not None:
         logging.basicConfig(level=log_level, format=LOG_FORMAT)
     if spec.visible_devices is not None:  # before anything initializes CUDA
@@ -331,13 +342,21 @@ def run_engine_core(
     context = zmq.Context()
     socket = make_socket(context, zmq.ROUTER)
     socket.bind(address)  # first: a taken address fails before the slow load
-    llm = spec.make_llm(spec)
-    freeze_startup_heap()
+    llm = None
     try:
+        llm = spec.make_llm(spec)
+        freeze_startup_heap()
         EngineCore(llm.engine, spec, socket).run(parent_pid)
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the front end reports
-        pass
+    except KeyboardInterrupt:  # a core on its own, stopped by Ctrl-C or SIGTERM
+        logger.info("engine core stopped")
     finally:
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
+        # frozen objects are never freed: at exit triton's bindings would report them as leaks
+        gc.unfreeze()
         socket.close()
         context.term()
+
+
+def stop_on_signal(signum: int, frame) -> None:
+    raise KeyboardInterrupt  # leaves the loop through run_engine_core's cleanup

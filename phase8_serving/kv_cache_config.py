@@ -16,8 +16,11 @@ context could use. `kv_cache_memory_bytes` sets the budget on any device; `num_k
 overrides all of it.
 
 The result is a `KVCacheConfig`, computed once at start-up and handed to the block manager and the
-model runner: the frozen `EngineConfig` is never written back. The engine logs the capacity in
-tokens and how many requests of the model's full context fit at once, as vLLM does.
+model runner: the frozen `EngineConfig` is never written back. It also fixes `max_model_len`, the
+most tokens (prompt + output) a request may hold: the config's, which may not exceed the model's
+context nor what the cache holds (an error at start-up, as in vLLM), or else the model's context,
+cut to what the cache holds. The engine logs the capacity in tokens and how many requests of
+`max_model_len` tokens fit at once, as vLLM does.
 
 A hybrid model (Qwen3.5) also holds a state pool: max_num_seqs slots of DeltaNet state, fixed in
 size (state_pool.py). On CUDA its bytes come out of the same budget before the blocks are counted,
@@ -38,8 +41,8 @@ from .attention import PAD_SLOT_ID, ForwardBatch
 from .config import MAX_KV_SLOTS, EngineConfig
 from .distributed import min_over_ranks
 from .kv_cache import KVCache
-from .model import Qwen3ForCausalLM
-from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
+from .model import ModelConfig, Qwen3ForCausalLM
+from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, is_hybrid
 from .sampling import SamplingBatch, SamplingParams, sample_batch
 from .state_pool import StatePool
 
@@ -60,6 +63,7 @@ class KVCacheConfig:
     num_blocks: int
     block_size: int
     block_bytes: int  # keys and values of one block, every layer
+    max_model_len: int  # prompt + output tokens a request may hold, at most
 
     @property
     def num_tokens(self) -> int:
@@ -144,23 +148,45 @@ def determine_kv_cache_config(model: Qwen3ForCausalLM, config: EngineConfig) -> 
         num_blocks = num_blocks_from_memory(
             profile, config.gpu_memory_utilization, block_bytes, state_pool_bytes(model, config)
         )
-    else:  # no more than max_num_seqs requests at the model's context can use
-        full = config.max_num_seqs * -(-model.config.max_position_embeddings // config.block_size)
+    else:  # no more than max_num_seqs requests of max_model_len tokens can use
+        full = config.max_num_seqs * -(-model_len(model.config, config) // config.block_size)
         num_blocks = min(num_blocks_from_budget(CPU_KV_CACHE_MEMORY_BYTES, block_bytes), full)
     num_blocks = min(num_blocks, MAX_KV_SLOTS // config.block_size)
     num_blocks = min_over_ranks(num_blocks, model.tp, device)
-    return KVCacheConfig(num_blocks, config.block_size, block_bytes)
+    num_tokens = num_blocks * config.block_size
+    if config.max_model_len is not None and config.max_model_len > num_tokens:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) is more than the KV cache holds ({num_tokens} "
+            "tokens): lower max_model_len, or give the cache more room (gpu_memory_utilization, "
+            "kv_cache_memory_bytes, num_kv_blocks)"
+        )
+    max_model_len = min(model_len(model.config, config), num_tokens)
+    return KVCacheConfig(num_blocks, config.block_size, block_bytes, max_model_len)
 
 
-def log_kv_cache(kv: KVCacheConfig, device_type: str, max_model_len: int) -> None:
-    """vLLM's two start-up lines: the capacity, and the full-context requests it holds."""
+def model_len(model_config: ModelConfig | Qwen3_5Config, config: EngineConfig) -> int:
+    """The longest request `config` builds the engine for: max_model_len, else the model's
+    context; a max_model_len past the context is an error (checked before the slow load, too)."""
+    context = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return context
+    if config.max_model_len > context:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) is more than the model's context "
+            f"(max_position_embeddings = {context})"
+        )
+    return config.max_model_len
+
+
+def log_kv_cache(kv: KVCacheConfig, device_type: str) -> None:
+    """vLLM's two start-up lines: the capacity, and the requests of max_model_len it holds."""
     logger.info(
         "%s KV cache size: %s tokens (%s blocks, %.2f GiB)", device_type.upper(),
         f"{kv.num_tokens:,}", f"{kv.num_blocks:,}", kv.memory_bytes / GiB,
     )  # fmt: skip
     logger.info(
         "Maximum concurrency for %s tokens per request: %.2fx",
-        f"{max_model_len:,}", kv.max_concurrency(max_model_len),
+        f"{kv.max_model_len:,}", kv.max_concurrency(kv.max_model_len),
     )  # fmt: skip
 
 
@@ -187,12 +213,12 @@ def profile_memory(model: Qwen3ForCausalLM, config: EngineConfig) -> MemoryProfi
 @torch.inference_mode()
 def profile_run(model: Qwen3ForCausalLM, config: EngineConfig) -> None:
     """The largest step the scheduler can make: max_num_batched_tokens prompt tokens split over
-    as many sequences as may run (each within the model's context), every one sampling. Its
+    as many sequences as may run (each within max_model_len), every one sampling. Its
     keys and values go nowhere (PAD_SLOT_ID) and it reads a one-block cache: only the memory
     it allocates matters."""
     device, c = next(model.parameters()).device, model.config
     num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-    num_tokens = min(config.max_num_batched_tokens, num_seqs * c.max_position_embeddings)
+    num_tokens = min(config.max_num_batched_tokens, num_seqs * model_len(c, config))
     q_lens = torch.full((num_seqs,), num_tokens // num_seqs, dtype=torch.long)
     q_lens[: num_tokens % num_seqs] += 1
     qsl = torch.zeros(num_seqs + 1, dtype=torch.long)

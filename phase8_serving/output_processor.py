@@ -238,16 +238,18 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Every request in flight, keyed by engine request id; `process` handles one core message."""
+    """Every request in flight, keyed by engine request id; `process` handles one core message.
+    The server's observes its metrics; the offline `LLM`'s (engine.py) has none."""
 
-    def __init__(self, tokenizer: Tokenizer, metrics: EngineMetrics):
+    def __init__(self, tokenizer: Tokenizer, metrics: EngineMetrics | None = None):
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.states: dict[str, RequestState] = {}
 
     def add(self, state: RequestState) -> None:
         self.states[state.request_id] = state
-        self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
 
     def remove(self, request_ids: Sequence[str]) -> list[RequestState]:
         """Forgets requests (their client left); returns those that were still in flight."""
@@ -256,12 +258,18 @@ class OutputProcessor:
     def process(self, message: StepOutputs) -> tuple[list[RequestState], list[str]]:
         """Delivers one step's outputs. Returns the requests that finished and the ids the core
         must abort (a stop string ended them here while the core would go on)."""
+        return self.process_outputs(message.outputs, message.timestamp)
+
+    def process_outputs(
+        self, outputs: Sequence[EngineCoreOutput], core_time: float
+    ) -> tuple[list[RequestState], list[str]]:
+        """`process` for outputs made at `core_time` (the core's clock: time.monotonic)."""
         now = time.monotonic()
         finished, to_abort = [], []
         num_new_tokens = 0
         num_step_tokens = 0  # vLLM's iteration tokens: new ids, plus a whole prompt at its first
         gaps: collections.Counter[float] = collections.Counter()  # inter-token latencies
-        for output in message.outputs:
+        for output in outputs:
             state = self.states.get(output.request_id)
             if state is None:  # aborted after the core sent this
                 continue
@@ -282,19 +290,21 @@ class OutputProcessor:
                 continue
             num_new_tokens += len(output.new_token_ids)
             num_step_tokens += len(output.new_token_ids) + (state.num_prompt_tokens if first else 0)
-            self._observe(state, output, message.timestamp, now, gaps)
+            if self.metrics is not None:
+                self._observe(state, output, core_time, now, gaps)
             if delta.finish_reason is not None:
                 del self.states[output.request_id]
                 finished.append(state)
-                state.timing.finished = message.timestamp
-                self.metrics.observe_finished(
-                    state.timing, now, delta.finish_reason, state.num_prompt_tokens,
-                    state.num_output_tokens,
-                )  # fmt: skip
+                state.timing.finished = core_time
+                if self.metrics is not None:
+                    self.metrics.observe_finished(
+                        state.timing, now, delta.finish_reason, state.num_prompt_tokens,
+                        state.num_output_tokens,
+                    )  # fmt: skip
                 if output.finish_reason is None:
                     to_abort.append(output.request_id)
             state.collector.put(state.index, delta)
-        if num_step_tokens:
+        if num_step_tokens and self.metrics is not None:
             self.metrics.observe_step(num_new_tokens, num_step_tokens, gaps)
         return finished, to_abort
 

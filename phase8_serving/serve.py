@@ -6,7 +6,8 @@ on its own for a front end elsewhere (vLLM's entrypoints/cli/serve.py).
   engine cores started elsewhere; on SIGTERM or Ctrl-C it stops accepting connections, lets
   in-flight requests run for at most `--shutdown-timeout` seconds (vLLM's flag; 0, the default,
   aborts them at once), then exits. It logs the KV cache's capacity in tokens and the maximum
-  concurrency at the longest request, as vLLM does;
+  concurrency at the longest request (`--max-model-len`, an engine flag: the engine core
+  resolves and enforces it, and the server refuses longer requests with a 400), as vLLM does;
 - `mini-vllm engine-core [MODEL] --address tcp://HOST:PORT`: one engine core, which serves
   whichever front end said hello last.
 
@@ -41,7 +42,6 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the port to listen on")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
     p.add_argument("--served-model-name", default=None, help="the name clients use as model")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion cap")
     p.add_argument("--shutdown-timeout", type=seconds, default=0.0,
                    help="seconds in-flight requests may run after SIGTERM before they are "
                    "aborted (0: at once)")  # fmt: skip
@@ -77,10 +77,12 @@ def core_spec(args: argparse.Namespace) -> EngineCoreSpec:
     """The engine core's recipe from the flags; a bad flag or model path fails here, at once."""
     from .default_model import default_model_dir
     from .engine_core import EngineCoreSpec
-    from .loader import resolve_model_dir
+    from .kv_cache_config import model_len
+    from .loader import read_model_config, resolve_model_dir
 
     config = EngineConfig(**engine_kwargs(args))
     model_dir = resolve_model_dir(default_model_dir() if args.model is None else args.model)
+    model_len(read_model_config(model_dir), config)  # a --max-model-len past the context fails
     return EngineCoreSpec(str(model_dir), args.dtype, args.device, config)
 
 
@@ -91,6 +93,11 @@ def serve(args: argparse.Namespace) -> None:
     from .async_engine import AsyncLLM
     from .default_model import MODEL_NAME
 
+    # Ctrl-C and SIGTERM stop the server quietly, with exit code 0 (a normal shutdown): uvicorn
+    # handles them while it runs, then re-raises the one it got; exiting through Python (not by
+    # the signal's default action, nor as a KeyboardInterrupt's traceback) runs the cleanup below
+    signal.signal(signal.SIGINT, exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     args.model = serve_model(args)
     name = args.served_model_name or args.model or MODEL_NAME
     spec = core_spec(args)
@@ -107,7 +114,7 @@ def serve(args: argparse.Namespace) -> None:
             if (value := getattr(args, name)) is not None
         }
         config = ServerConfig(
-            name, resolve_max_model_len(llm.info, args.max_model_len), args.api_key,
+            name, llm.info.max_model_len, args.api_key,
             enable_log_requests=args.enable_log_requests,
             enable_dashboard=not args.disable_dashboard, **limits,
         )  # fmt: skip
@@ -118,9 +125,6 @@ def serve(args: argparse.Namespace) -> None:
         if config.enable_dashboard:
             key = "?key=KEY" if args.api_key else ""
             log.info("dashboard: %s/dashboard%s", url, key)
-        # uvicorn re-raises the SIGTERM it handled once it has shut down; exiting through Python
-        # (not by the signal's default action) runs the cleanup below
-        signal.signal(signal.SIGTERM, exit_on_sigterm)
         uvicorn.Server(uvicorn_config(app, args)).run()
     finally:
         llm.shutdown()  # stops the engine cores (and their tensor-parallel workers)
@@ -144,7 +148,7 @@ def uvicorn_config(app, args: argparse.Namespace):
     )  # fmt: skip
 
 
-def exit_on_sigterm(signum: int, frame) -> None:
+def exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(0)
 
 
@@ -163,19 +167,6 @@ def log_kv_capacity(info: CoreInfo, num_cores: int, max_model_len: int) -> None:
         "per request: %.1fx", info.num_kv_slots, num_cores, max_model_len,
         num_cores * info.num_kv_slots / max_model_len,
     )  # fmt: skip
-
-
-def resolve_max_model_len(info: CoreInfo, requested: int | None) -> int:
-    """The model's context, or less when asked; never more than the KV cache can ever hold."""
-    limit = min(info.max_position_embeddings, info.num_kv_slots)
-    if requested is None:
-        return limit
-    if not 2 <= requested <= limit:
-        raise ValueError(
-            f"--max-model-len must be in [2, {limit}] (the model's context and the KV cache), "
-            f"got {requested}"
-        )
-    return requested
 
 
 def add_engine_core_parser(subparsers) -> None:

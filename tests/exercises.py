@@ -208,13 +208,13 @@ EXERCISES: dict[str, Exercise] = {
         needs=("7.1",),  # both attention kernels run the online-softmax tile loop
     ),
     "8.1": Exercise(
-        "While the request runs, cut the text's tail that a stop string could start with "
-        "(held_back_length); the delta is the text past num_chars_sent and the token ids (and "
-        "logprobs) past num_tokens_sent; then move both counters. Finished: show everything.",
+        "For each stop string, try its proper prefixes from the longest one the text could end "
+        "with (len(stop) - 1 characters, at most len(text)) down: the first that the text ends "
+        "with is that stop string's held-back tail; return the longest over all stop strings.",
         (
             "tests/phase8/test_streaming.py::test_deltas_never_show_what_a_stop_string_removes",
+            "tests/phase8/test_streaming.py::test_held_back_length_is_the_longest_tail_a_stop_string_starts_with",
             "tests/phase8/test_streaming.py::test_a_stop_string_split_over_steps_is_never_shown",
-            "tests/phase8/test_streaming.py::test_each_delta_carries_the_logprobs_of_its_own_tokens",
         ),
     ),
     "8.2": Exercise(
@@ -233,14 +233,15 @@ EXERCISES: dict[str, Exercise] = {
         "unsent text, search the stop strings in it (matches ending in what is new), once it has "
         "more than min_tokens tokens, and cut before a match (it then ends 'stop'); "
         "while it runs, hold back the longest tail that starts a stop string (the new unsent "
-        "text); return the rest as an OutputDelta with the ids, the logprobs and the finish "
-        "reason.",
+        "text; held_back_length, exercise 8.1); return the rest as an OutputDelta with the "
+        "ids, the logprobs and the finish reason.",
         (
             "tests/phase8/test_output_processor.py::test_text_equals_the_offline_engine",
             "tests/phase8/test_output_processor.py::test_streamed_text_is_never_taken_back",
             "tests/phase8/test_output_processor.py::test_a_stop_token_has_no_text",
             "tests/phase8/test_output_processor.py::test_a_stop_string_counts_only_after_min_tokens",
         ),
+        needs=("8.1",),  # the hold-back is held_back_length's
     ),
 }
 

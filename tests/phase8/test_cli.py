@@ -17,7 +17,6 @@ from phase8_serving.bench import LATENCY_DEFAULTS, THROUGHPUT_DEFAULTS, fill_dev
 from phase8_serving.cli import build_parser, chat, main
 from phase8_serving.config import EngineConfig, PreemptionMode
 from phase8_serving.engine_core import core_info
-from phase8_serving.serve import resolve_max_model_len
 
 from .conftest import wait_for_health
 
@@ -166,12 +165,13 @@ def test_chat_ctrl_c_at_the_prompt_ends_quietly(capsys):
 
 
 def test_stopping_a_reply_aborts_its_request(tiny_dir):
-    engine = LLM(tiny_dir, dtype="float32", device="cpu").engine
+    llm = LLM(tiny_dir, dtype="float32", device="cpu")
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    deltas = cli.stream_reply(engine, [{"role": "user", "content": "Hi"}], params)
+    deltas = cli.stream_reply(llm, [{"role": "user", "content": "Hi"}], params)
     next(deltas)
     deltas.close()  # what leaving the `with closing(...)` does on Ctrl-C
-    assert not engine.has_unfinished_requests()
+    assert not engine.has_unfinished_requests() and not llm.processor.states
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_free_blocks == engine.kv_cache_config.num_blocks
 
@@ -233,12 +233,12 @@ def test_the_command_imports_torch_only_after_setting_the_policy():
 
 
 def test_max_model_len_is_bounded_by_context_and_kv_cache(tiny_dir):
+    """What the server's front end enforces (`CoreInfo.max_model_len`) is the engine's own."""
     engine = LLM(tiny_dir, dtype="float32", device="cpu", num_kv_blocks=4, block_size=8).engine
-    info = core_info(engine)
-    assert resolve_max_model_len(info, None) == 32  # 4 blocks of 8 < the 128-token context
-    assert resolve_max_model_len(info, 16) == 16
-    with pytest.raises(ValueError, match="max-model-len"):
-        resolve_max_model_len(info, 33)
+    assert core_info(engine).max_model_len == 32  # 4 blocks of 8 < the 128-token context
+    engine = LLM(tiny_dir, dtype="float32", device="cpu", num_kv_blocks=4, block_size=8,
+                 max_model_len=16).engine  # fmt: skip
+    assert core_info(engine).max_model_len == 16
 
 
 def test_serve_subcommand_answers_the_openai_client(tiny_dir):

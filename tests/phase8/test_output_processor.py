@@ -1,14 +1,17 @@
 """The front end's half of the process boundary, without processes: the engine's token-ids-only
-outputs, the output processor's text (against the offline engine's own detokenizer and stop
-strings), and the collector that merges what a slow client has not read yet."""
+outputs, the output processor's text (against phase 7's engine, which detokenizes and cuts stop
+strings itself), the offline `LLM` built on it, and the collector that merges what a slow client
+has not read yet."""
 
 import asyncio
 import collections
+import dataclasses
 import random
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
+import phase7_optim
 from phase8_serving.core_messages import EngineCoreOutput, StepOutputs
 from phase8_serving.engine import LLM, RequestOutputKind, TokenIdsOutput
 from phase8_serving.metrics import (
@@ -38,10 +41,21 @@ def llm(tiny_dir):
     return LLM(tiny_dir, dtype="float32", device="cpu")
 
 
+@pytest.fixture(scope="module")
+def phase7_llm(tiny_dir):
+    """The oracle: phase 7's engine finds stop strings and holds text back itself."""
+    return phase7_optim.LLM(tiny_dir, dtype="float32", device="cpu")
+
+
+def phase7_params(params: SamplingParams) -> phase7_optim.SamplingParams:
+    return phase7_optim.SamplingParams(temperature=params.temperature, seed=params.seed,
+                                       max_tokens=params.max_tokens, stop=params.stop)  # fmt: skip
+
+
 def core_outputs(llm, prompt, params) -> list[EngineCoreOutput]:
-    """What an engine core sends for one request: its DELTA_TOKEN_IDS outputs, step by step."""
+    """What an engine core sends for one request: its token-ids outputs, step by step."""
     engine = llm.engine
-    request_id = engine.add_request(prompt, params, output_kind=RequestOutputKind.DELTA_TOKEN_IDS)
+    request_id = engine.add_request(prompt, params)
     outputs = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -73,11 +87,12 @@ def process_all(llm, prompt, params, outputs) -> tuple[list[OutputDelta], list[s
 
 @pytest.mark.parametrize("stop", [(), ("a",), ("\n\n", "th")])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_text_equals_the_offline_engine(llm, stop, seed):
-    """Same tokens, same text and finish reason as `LLM.generate` (which detokenizes and cuts
-    stop strings itself); a stop string found in the front end becomes an abort for the core."""
+def test_text_equals_the_offline_engine(llm, phase7_llm, stop, seed):
+    """Same tokens, same text and finish reason as phase 7's `LLM.generate` (which detokenizes
+    and cuts stop strings in its engine); a stop string found in the front end becomes an abort
+    for the core."""
     params = SamplingParams(temperature=1.0, seed=seed, max_tokens=30, stop=stop)
-    expected = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    expected = phase7_llm.generate([PROMPT], phase7_params(params), use_tqdm=False)[0].outputs[0]
     no_stop = SamplingParams(temperature=1.0, seed=seed, max_tokens=30)
     outputs = core_outputs(llm, PROMPT, no_stop)  # the core runs past stop strings
     deltas, aborts = process_all(llm, PROMPT, params, outputs)
@@ -90,7 +105,7 @@ def test_text_equals_the_offline_engine(llm, stop, seed):
     assert aborts == ([outputs[0].request_id] if stopped_early else [])
 
 
-def test_streamed_text_is_never_taken_back(llm):
+def test_streamed_text_is_never_taken_back(llm, phase7_llm):
     """A stop string taken from the text itself, so that its first character arrives a step
     before the rest: that character is held back, never shown and then withdrawn."""
     checked = 0
@@ -103,7 +118,8 @@ def test_streamed_text_is_never_taken_back(llm):
             continue
         stop = text[ascii_pairs[0] : ascii_pairs[0] + 2]
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=30, stop=(stop,))
-        expected = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+        expected = phase7_llm.generate([PROMPT], phase7_params(params), use_tqdm=False)
+        expected = expected[0].outputs[0].text
         shown = ""
         for delta in process_all(llm, PROMPT, params, outputs)[0]:
             shown += delta.text
@@ -111,6 +127,51 @@ def test_streamed_text_is_never_taken_back(llm):
         assert shown == expected
         checked += 1
     assert checked >= 4
+
+
+def stop_found_in(text: str) -> tuple[str, ...]:
+    """A two-character stop string the text holds past its start (ASCII: one byte token each,
+    so its first character arrives a step before the second)."""
+    i = next(i for i in range(1, len(text) - 1) if text[i : i + 2].isascii())
+    return (text[i : i + 2],)
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_the_offline_llm_is_the_engine_and_the_output_processor(llm, phase7_llm, stopped):
+    """`LLM.generate` and `LLM.step`'s deltas give phase 7's text, ids and finish reasons, stop
+    strings and logprobs included: one hold-back rule, the output processor's, offline too; a
+    streamed delta never shows what a later one takes back; a stop string ends the request in
+    the engine too."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, logprobs=1) for s in range(3)]
+    if stopped:  # each request's own text holds its stop string
+        free = phase7_llm.generate([PROMPT] * 3, [phase7_params(p) for p in params], use_tqdm=False)
+        params = [dataclasses.replace(p, stop=stop_found_in(o.outputs[0].text))
+                  for p, o in zip(params, free, strict=True)]  # fmt: skip
+    expected = [o.outputs[0] for o in phase7_llm.generate(
+        [PROMPT] * 3, [phase7_params(p) for p in params], use_tqdm=False)]  # fmt: skip
+    assert all((w.finish_reason == "stop") == stopped for w in expected)
+    final = [o.outputs[0] for o in llm.generate([PROMPT] * 3, params, use_tqdm=False)]
+    ids = [llm.add_request(PROMPT, p, output_kind=RequestOutputKind.DELTA) for p in params]
+    streamed = {i: ("", [], []) for i in ids}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            text, token_ids, logprobs = streamed[out.request_id]
+            c = out.outputs[0]
+            streamed[out.request_id] = (
+                text + c.text,
+                token_ids + c.token_ids,
+                logprobs + c.logprobs,
+            )
+            assert out.finished == (c.finish_reason is not None)
+    assert not llm.requests and not llm.processor.states and not llm.engine.requests
+    assert llm.engine.block_manager.num_used_blocks == 0
+    for want, got, (text, token_ids, logprobs) in zip(
+        expected, final, streamed.values(), strict=True
+    ):
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids,
+                                                                want.finish_reason)  # fmt: skip
+        assert (text, token_ids) == (want.text, want.token_ids)
+        assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in logprobs] == token_ids
 
 
 def test_a_stop_token_has_no_text(llm):

@@ -27,6 +27,7 @@ from phase8_serving.core_messages import (
     Hello,
     StepOutputs,
 )
+from phase8_serving.engine import RequestOutputKind
 from phase8_serving.engine_core import EngineCore, EngineCoreSpec
 from phase8_serving.metrics import EngineMetrics, EngineStats, cache_config_info
 from phase8_serving.output_processor import (
@@ -143,14 +144,14 @@ def offline(model_dir, monkeypatch, params, async_scheduling: bool, **engine_kwa
     assert engine.config.async_scheduling is async_scheduling
     with monkeypatch.context() as patch:
         watch = SampleWatch(engine.runner, patch)
-        ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+        ids = [llm.add_request(p, sp, output_kind=RequestOutputKind.FINAL_ONLY)
+               for p, sp in zip(PROMPTS, params, strict=True)]  # fmt: skip
         done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while llm.has_unfinished_requests():
+            for out in llm.step():  # final outputs only: text and stop strings as generate's
                 c = out.outputs[0]
-                if out.finished:
-                    done[ids.index(out.request_id)] = (c.token_ids, c.text, c.finish_reason,
-                                                       c.logprobs)  # fmt: skip
+                done[ids.index(out.request_id)] = (c.token_ids, c.text, c.finish_reason,
+                                                   c.logprobs)  # fmt: skip
             engine.scheduler.check_invariants()
     assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.finished_in_flight
     return done, watch.penalized_placeholders, engine.num_preemptions

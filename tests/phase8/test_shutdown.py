@@ -5,7 +5,7 @@ In-process: a uvicorn server built by `serve.uvicorn_config` on the test server'
 its `AsyncLLM` lives), in front of the shared spawned engine core, with prompts that carry
 `engine_cores.SLOW_MARK` (every step they are in is slowed down), and `should_exit` set as
 uvicorn's SIGTERM handler sets it. In a subprocess: the real `mini-vllm serve`, its own engine core
-process, and a real SIGTERM.
+process, and a real SIGTERM, to the server alone or (with SIGINT, as Ctrl-C) to its process group.
 """
 
 import asyncio
@@ -164,3 +164,43 @@ def is_running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"  # a zombie has exited, only its parent has not read its status
+
+
+@pytest.mark.slow  # a real `serve` process per signal: ~15 s each on 2 busy cores
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_process_group_is_a_quiet_shutdown(tiny_dir, signum):
+    """Ctrl-C (SIGINT to the whole process group) or a service manager's SIGTERM to it: the
+    engine core, which gets the signal too, leaves the shutdown to its front end, so a request in
+    flight finishes within `--shutdown-timeout`; the command exits with code 0 and logs no error
+    and no traceback. Before, the core died at once ("ERROR ... engine core 0 died") and took the
+    request with it, and Ctrl-C ended in a KeyboardInterrupt's traceback."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "phase8_serving", "serve", str(tiny_dir), "--port", str(port),
+               "--dtype", "float32", "--device", "cpu", "--shutdown-timeout", "20"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, server, timeout_s=SERVE_STARTUP_S)
+        (core,) = engine_core_pids(server.pid)
+        body = {"prompt": "a", "max_tokens": 120, "stream": True, "ignore_eos": True}
+        payloads = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    payloads.append(line[len("data: ") :])
+                    if len(payloads) == 1:
+                        os.killpg(server.pid, signum)  # the server, its core, and their threads
+        assert payloads[-1] == "[DONE]", payloads[-3:]
+        last = json.loads(payloads[-2])  # an error event if the core died under the stream
+        assert last.get("choices", [{}])[0].get("finish_reason") == "length", last
+        assert server.wait(timeout=60) == 0
+        log = server.stderr.read().decode()
+        for noise in ("ERROR", "Traceback", "leaked"):
+            assert noise not in log, log
+        assert not is_running(core)
+    finally:
+        server.kill()
+        server.wait(timeout=30)

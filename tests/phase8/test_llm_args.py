@@ -1,0 +1,123 @@
+"""`LLM(...)` takes vLLM's engine arguments: this engine's fields, vLLM's other names for them,
+vLLM's arguments that mean nothing here at the value that asks for nothing; anything else is a
+clear error. `max_model_len` really caps requests, offline and in the server's engine core, and
+the KV cache's log lines use it."""
+
+import logging
+
+import pytest
+
+from phase8_serving import LLM, SamplingParams
+from phase8_serving.cli import build_parser
+from phase8_serving.config import VLLM_UNSUPPORTED, EngineConfig, engine_config
+from phase8_serving.engine_core import core_info
+from phase8_serving.serve import core_spec
+
+CPU = dict(dtype="float32", device="cpu")
+CONTEXT = 128  # conftest.TINY_CONFIG's max_position_embeddings
+
+
+def test_vllm_engine_arguments_reach_the_config():
+    config = engine_config(
+        "LLM",
+        dict(max_model_len=64, gpu_memory_utilization=0.5, tensor_parallel_size=1,
+             enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
+             enable_prefix_caching=False, num_gpu_blocks_override=12, trust_remote_code=True,
+             quantization=None, disable_log_stats=True),
+        (),
+    )  # fmt: skip
+    assert config == EngineConfig(max_model_len=64, gpu_memory_utilization=0.5,
+                                  enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=32,
+                                  block_size=8, enable_prefix_caching=False,
+                                  num_kv_blocks=12)  # fmt: skip
+
+
+def test_an_unknown_argument_is_named_with_the_known_ones():
+    with pytest.raises(
+        TypeError,
+        match=r"unknown engine argument 'max_num_seq' \(did you mean "
+        r"'max_num_seqs'\?\); the known ones are: .*block_size",
+    ):
+        LLM(max_num_seq=4, **CPU)  # fmt: skip
+    with pytest.raises(TypeError, match=r"'frobnicate'; the known ones are: .*max_model_len.*seed"):
+        LLM(frobnicate=1, **CPU)
+
+
+def test_a_vllm_argument_not_supported_here_is_named():
+    for name, (neutral, _) in VLLM_UNSUPPORTED.items():
+        engine_config("LLM", {name: neutral}, ())  # what asks for nothing passes
+    with pytest.raises(ValueError, match=r"vLLM's quantization='awq' is not supported here"):
+        LLM(quantization="awq", **CPU)
+    with pytest.raises(ValueError, match=r"vLLM's swap_space=4 .*preemption_mode='swap'"):
+        LLM(swap_space=4, **CPU)
+    with pytest.raises(TypeError, match="'num_kv_blocks' twice"):
+        LLM(num_kv_blocks=4, num_gpu_blocks_override=4, **CPU)
+
+
+def test_bad_values_fail_before_the_load(tmp_path):
+    missing = tmp_path / "nothing-here"  # never read: the arguments fail first
+    with pytest.raises(ValueError, match="max_model_len must be >= 2"):
+        LLM(missing, max_model_len=1, **CPU)
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\)"):
+        LLM(missing, seed=-1, **CPU)
+
+
+def test_max_model_len_caps_requests_and_the_log(tiny_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="phase8_serving.kv_cache_config"):
+        llm = LLM(tiny_dir, max_model_len=24, num_kv_blocks=16, block_size=8, **CPU)
+    assert "Maximum concurrency for 24 tokens per request: 5.33x" in caplog.text
+    assert llm.engine.kv_cache_config.max_model_len == core_info(llm.engine).max_model_len == 24
+    assert llm.engine.runner.max_blocks == 3  # block tables as wide as max_model_len needs
+    prompt = [72, 105] * 10  # 20 tokens
+    with pytest.raises(
+        ValueError,
+        match=r"prompt \(20 tokens\) \+ max_tokens \(5\) exceeds "
+        r"max_model_len \(24\)",
+    ):
+        llm.generate([prompt], SamplingParams(max_tokens=5), use_tqdm=False)  # fmt: skip
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_max_model_len_within_the_context_and_the_kv_cache(tiny_dir):
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len \(129\) is more than the model's context "
+        r"\(max_position_embeddings = 128\)",
+    ):
+        LLM(tiny_dir, max_model_len=CONTEXT + 1, **CPU)  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len \(40\) is more than the KV cache holds "
+        r"\(32 tokens\)",
+    ):
+        LLM(tiny_dir, max_model_len=40, num_kv_blocks=4, block_size=8, **CPU)  # fmt: skip
+    # unset: the context, cut to what the cache holds
+    assert (
+        LLM(tiny_dir, num_kv_blocks=4, block_size=8, **CPU).engine.kv_cache_config.max_model_len
+        == 32
+    )
+    assert LLM(tiny_dir, **CPU).engine.kv_cache_config.max_model_len == CONTEXT
+
+
+def test_the_servers_max_model_len_is_the_engines(tiny_dir):
+    """`serve --max-model-len` is the engine's flag: it reaches the core's config, and one past
+    the model's context fails before any core is spawned."""
+    args = build_parser().parse_args(["serve", str(tiny_dir), "--max-model-len", "24"])
+    args.model = str(tiny_dir)
+    assert core_spec(args).config.max_model_len == 24
+    args = build_parser().parse_args(["serve", str(tiny_dir), "--max-model-len", "129"])
+    args.model = str(tiny_dir)
+    with pytest.raises(ValueError, match="more than the model's context"):
+        core_spec(args)
+
+
+def test_seed_makes_unseeded_sampling_reproducible(tiny_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+
+    def sample(**kwargs) -> list[int]:
+        llm = LLM(tiny_dir, **CPU, **kwargs)
+        return llm.generate([[72, 105]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert sample(seed=3) == sample(seed=3) != sample(seed=4)
