@@ -60,7 +60,9 @@ requests use `RequestOutputKind.CUMULATIVE` (the default of `add_request`). The 
 `abort_request` when a client goes away (the request's blocks are freed at once, or once the step
 computing it on the device is done). The server's engine core process (engine_core.py) asks for
 `DELTA_TOKEN_IDS`: each step's new token ids and no text at all, because its front end
-detokenizes and finds stop strings in another process. `min_tokens` (vLLM's rule): before that
+detokenizes and finds stop strings in another process; it passes each client request's id as
+the `group_id` of all its choices, so the scheduler shares the engine fairly between client
+requests, not sequences (scheduler.py). `min_tokens` (vLLM's rule): before that
 many tokens, EOS and stop tokens cannot be sampled (model_runner.py) nor end the request, and a
 stop string counts only if it ends in text of a later token. Token ids a request names (stop
 tokens, logit bias) must be in the vocabulary, or `add_request` refuses it. None of this makes
@@ -236,12 +238,16 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        group_id: str | None = None,
     ) -> str:
-        """Queues one request; raises (changing nothing) if it is malformed or can never run."""
+        """Queues one request; raises (changing nothing) if it is malformed or can never run.
+        `group_id`: the client request it is one choice of, shared by all of them (the scheduler
+        is fair across groups, not sequences); None: a group of its own."""
         check_prompt("prompt", prompt)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_optional("request_id", request_id, str)
+        check_optional("group_id", group_id, str)
         params.check_token_ids(self.model.config.vocab_size)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
@@ -264,7 +270,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(seq_id, request_id, prompt_ids, params)
+        seq = Sequence(seq_id, request_id, prompt_ids, params, group_id)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None,
                                             detokenizer, output_kind)  # fmt: skip

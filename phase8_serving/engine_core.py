@@ -196,8 +196,9 @@ class EngineCore:
         for r in requests:
             try:
                 self.engine.add_request(
-                    r.prompt_token_ids, r.params, r.request_id, RequestOutputKind.DELTA_TOKEN_IDS
-                )
+                    r.prompt_token_ids, r.params, r.request_id, RequestOutputKind.DELTA_TOKEN_IDS,
+                    group_id=r.group_id,
+                )  # fmt: skip
             except ValueError as e:  # the front end checks first; this is the last line
                 rejected.append(EngineCoreOutput(r.request_id, [], None, "error", str(e)))
                 continue
