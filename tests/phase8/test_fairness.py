@@ -1,0 +1,157 @@
+"""Fair share across client requests: one request's n choices cannot keep another's first token
+waiting (scheduler.py).
+
+A client asks for n=8 choices of a long reply; a second client arrives with a short chat while
+they run. First come, first served per sequence makes the chat wait for whatever the choices hold:
+every running slot (until they finish), the KV cache (until they finish), or the front of the
+queue and the step's budget (until their prompts are in). With the choices sharing a `group_id`,
+the chat's first token comes within a few steps in each case, and the choices' own tokens do not
+change. With one sequence per request (workload W, the offline `generate`) the scheduler must be
+phase 7's, step for step: fairness costs W nothing.
+"""
+
+import pytest
+
+import phase7_optim
+import phase8_serving
+from phase8_serving import SamplingParams
+from phase8_serving.engine import RequestOutputKind
+
+from .conftest import save_tiny_checkpoint
+
+N = 8  # the choices of the big request
+BIG_TOKENS = 60  # each choice's max_tokens: the big request runs ~60 steps
+CHAT_TOKENS = 4
+ARRIVAL_STEP = 3  # the chat arrives after this many steps of the big request
+FIRST_TOKEN_STEPS = 3  # the chat's first token within this many steps of its arrival
+DELTA = RequestOutputKind.DELTA_TOKEN_IDS
+
+
+@pytest.fixture(scope="module")
+def spread_dir(tmp_path_factory):
+    # test_cross_phase.py's checkpoint: spread-out logits, so greedy tokens have clear winners
+    return save_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-spread-qwen3"),
+        num_hidden_layers=2, initializer_range=0.2, tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )  # fmt: skip
+
+
+def make_engine(directory, module=phase8_serving, **config):
+    return module.LLM(directory, dtype="float32", device="cpu", **config).engine
+
+
+def add_big(engine, prompt_len: int, prompts: int = 1, group_id: str | None = "big") -> None:
+    """The big request: N sequences, choices of `prompts` different prompts (one group, as the
+    server sends a request's prompts x n)."""
+    params = SamplingParams(temperature=0.0, max_tokens=BIG_TOKENS, ignore_eos=True)
+    for i in range(N):
+        prompt = [(7 * j + i % prompts) % 250 + 1 for j in range(prompt_len)]
+        engine.add_request(prompt, params, f"big-{i}", DELTA, group_id)
+
+
+def add_chat(engine) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS, ignore_eos=True)
+    return engine.add_request([30, 31, 32, 33, 34], params, "chat", DELTA)  # its own group
+
+
+def run(engine, chat_at: int | None = ARRIVAL_STEP) -> tuple[int | None, dict[str, list[int]]]:
+    """Steps until done (the chat added after `chat_at` steps); checks the invariants and that
+    the chat is never preempted. -> (steps from the chat's arrival to its first token, tokens)."""
+    tokens: dict[str, list[int]] = {}
+    steps, first_token = 0, None
+    while engine.has_unfinished_requests() or steps <= (chat_at or 0):
+        if steps == chat_at:
+            arrival = steps
+            add_chat(engine)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.request_id == "chat" and first_token is None:
+                first_token = steps + 1 - arrival
+        steps += 1
+        engine.scheduler.check_invariants()
+        assert "chat" not in [s.request_id for s in engine.last_schedule.preempted]
+    return first_token, tokens
+
+
+# (engine config, the big request's prompt length and number of prompts, the chat's arrival step)
+CONSTRAINTS = {
+    # n fills the running cap: the chat got a slot when the choices finished (~57 steps)
+    "running_cap": (dict(max_num_seqs=N), 8, 1, ARRIVAL_STEP),
+    # n x 68 tokens outgrow the KV cache (448 slots) from step ~40: the chat, arriving then, got
+    # in behind the choices preempted by their growth, when the first of them finished
+    "kv_cache": (dict(num_kv_blocks=28, block_size=16), 8, 1, 45),
+    # N different prompts of 120 tokens, a 64-token budget: the chat waited for all of them
+    "budget": (dict(max_num_batched_tokens=64), 120, N, ARRIVAL_STEP),
+}
+
+
+def constrained(directory, constraint: str, group_id: str | None) -> tuple[int | None, dict]:
+    config, prompt_len, prompts, arrival = CONSTRAINTS[constraint]
+    engine = make_engine(directory, **{"max_num_seqs": 32, "max_num_batched_tokens": 256, **config})
+    add_big(engine, prompt_len, prompts, group_id)
+    return run(engine, arrival)
+
+
+@pytest.mark.parametrize("constraint", list(CONSTRAINTS))
+def test_a_request_of_n_choices_does_not_keep_another_waiting(spread_dir, constraint):
+    first_token, tokens = constrained(spread_dir, constraint, "big")
+    assert first_token is not None and first_token <= FIRST_TOKEN_STEPS, first_token
+    assert len(tokens["chat"]) == CHAT_TOKENS
+    assert all(len(tokens[f"big-{i}"]) == BIG_TOKENS for i in range(N))
+
+
+@pytest.mark.parametrize("constraint", list(CONSTRAINTS))
+def test_sequences_of_their_own_are_served_first_come_first_served(spread_dir, constraint):
+    """The same workload without groups (each choice a request of its own): the chat waits, as
+    before fairness. This test shows that the one above measures the groups, not luck."""
+    first_token, _ = constrained(spread_dir, constraint, None)
+    assert first_token > 3 * FIRST_TOKEN_STEPS
+
+
+def test_the_choices_tokens_do_not_depend_on_the_chat(spread_dir):
+    """Giving way (preempted, then recomputed) changes when a choice runs, never what it says."""
+    config = dict(max_num_seqs=N, max_num_batched_tokens=256)
+    alone = make_engine(spread_dir, **config)
+    add_big(alone, 8)
+    _, expected = run(alone, chat_at=None)
+    shared = make_engine(spread_dir, **config)
+    add_big(shared, 8)
+    _, tokens = run(shared)
+    assert shared.num_preemptions > 0  # a choice gave way to the chat
+    assert {k: v for k, v in tokens.items() if k != "chat"} == expected
+    assert len({tuple(v) for v in expected.values()}) == 1  # greedy: the choices agree
+
+
+def schedules(engine) -> list:
+    """Every step's (scheduled (seq_id, num_new), preempted seq_ids), recorded as it runs."""
+    recorded, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        scheduled = [(seq.seq_id, num_new) for seq, num_new in out.scheduled]
+        recorded.append((scheduled, [seq.seq_id for seq in out.preempted]))
+        return out
+
+    engine.scheduler.schedule = recording
+    return recorded
+
+
+W_LIKE = dict(max_num_seqs=6, max_num_batched_tokens=48, num_kv_blocks=24, block_size=8)
+
+
+def test_one_sequence_per_request_is_scheduled_as_in_phase7(spread_dir):
+    """Singleton groups (W, `generate`): the same steps as phase 7's scheduler, preemptions and
+    chunks included, so fairness costs a workload of independent requests nothing."""
+    runs = []
+    for module in (phase7_optim, phase8_serving):
+        engine = make_engine(spread_dir, module, **W_LIKE)
+        recorded = schedules(engine)
+        for i in range(12):
+            params = module.SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
+            engine.add_request([(5 * i + j) % 250 + 1 for j in range(6 + 4 * i)], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        runs.append(recorded)
+    assert any(preempted for _, preempted in runs[1])  # under pressure: the rules all apply
+    assert runs[0] == runs[1]
