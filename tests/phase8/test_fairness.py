@@ -21,7 +21,7 @@ from .conftest import save_tiny_checkpoint
 
 N = 8  # the choices of the big request
 BIG_TOKENS = 60  # each choice's max_tokens: the big request runs ~60 steps
-CHAT_TOKENS = 4
+CHAT_TOKENS = 16
 ARRIVAL_STEP = 3  # the chat arrives after this many steps of the big request
 FIRST_TOKEN_STEPS = 3  # the chat's first token within this many steps of its arrival
 DELTA = RequestOutputKind.DELTA_TOKEN_IDS
@@ -50,12 +50,14 @@ def add_big(engine, prompt_len: int, prompts: int = 1, group_id: str | None = "b
         engine.add_request(prompt, params, f"big-{i}", DELTA, group_id)
 
 
-def add_chat(engine) -> str:
-    params = SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS, ignore_eos=True)
-    return engine.add_request([30, 31, 32, 33, 34], params, "chat", DELTA)  # its own group
+def add_chat(engine, max_tokens: int = CHAT_TOKENS) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return engine.add_request(list(range(30, 70)), params, "chat", DELTA)  # its own group
 
 
-def run(engine, chat_at: int | None = ARRIVAL_STEP) -> tuple[int | None, dict[str, list[int]]]:
+def run(
+    engine, chat_at: int | None = ARRIVAL_STEP, chat_tokens: int = CHAT_TOKENS
+) -> tuple[int | None, dict[str, list[int]]]:
     """Steps until done (the chat added after `chat_at` steps); checks the invariants and that
     the chat is never preempted. -> (steps from the chat's arrival to its first token, tokens)."""
     tokens: dict[str, list[int]] = {}
@@ -63,7 +65,7 @@ def run(engine, chat_at: int | None = ARRIVAL_STEP) -> tuple[int | None, dict[st
     while engine.has_unfinished_requests() or steps <= (chat_at or 0):
         if steps == chat_at:
             arrival = steps
-            add_chat(engine)
+            add_chat(engine, chat_tokens)
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.request_id == "chat" and first_token is None:
@@ -107,6 +109,17 @@ def test_sequences_of_their_own_are_served_first_come_first_served(spread_dir, c
     before fairness. This test shows that the one above measures the groups, not luck."""
     first_token, _ = constrained(spread_dir, constraint, None)
     assert first_token > 3 * FIRST_TOKEN_STEPS
+
+
+def test_the_request_that_runs_the_most_gives_way_when_the_cache_runs_out(spread_dir):
+    """A long chat, admitted last while the choices still fit, is not the one preempted when
+    they outgrow the KV cache (at step ~40): the newest of the choices is. (Phase 7's LIFO took
+    the newest sequence: the chat.)"""
+    config, prompt_len, _, _ = CONSTRAINTS["kv_cache"]
+    engine = make_engine(spread_dir, max_num_seqs=32, max_num_batched_tokens=256, **config)
+    add_big(engine, prompt_len)
+    _, tokens = run(engine, chat_at=15, chat_tokens=40)  # run() checks it is never preempted
+    assert engine.num_preemptions > 0 and len(tokens["chat"]) == 40
 
 
 def test_the_choices_tokens_do_not_depend_on_the_chat(spread_dir):
