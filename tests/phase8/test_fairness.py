@@ -41,11 +41,14 @@ def make_engine(directory, module=phase8_serving, **config):
     return module.LLM(directory, dtype="float32", device="cpu", **config).engine
 
 
-def add_big(engine, prompt_len: int, prompts: int = 1, group_id: str | None = "big") -> None:
+def add_big(
+    engine, prompt_len: int, prompts: int = 1, group_id: str | None = "big", seeded: bool = False
+) -> None:
     """The big request: N sequences, choices of `prompts` different prompts (one group, as the
-    server sends a request's prompts x n)."""
-    params = SamplingParams(temperature=0.0, max_tokens=BIG_TOKENS, ignore_eos=True)
+    server sends a request's prompts x n); greedy, or sampled with a seed per choice."""
     for i in range(N):
+        sampling = dict(temperature=0.8, seed=i) if seeded else dict(temperature=0.0)
+        params = SamplingParams(max_tokens=BIG_TOKENS, ignore_eos=True, **sampling)
         prompt = [(7 * j + i % prompts) % 250 + 1 for j in range(prompt_len)]
         engine.add_request(prompt, params, f"big-{i}", DELTA, group_id)
 
@@ -122,18 +125,21 @@ def test_the_request_that_runs_the_most_gives_way_when_the_cache_runs_out(spread
     assert engine.num_preemptions > 0 and len(tokens["chat"]) == 40
 
 
-def test_the_choices_tokens_do_not_depend_on_the_chat(spread_dir):
-    """Giving way (preempted, then recomputed) changes when a choice runs, never what it says."""
-    config = dict(max_num_seqs=N, max_num_batched_tokens=256)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_choices_tokens_do_not_depend_on_the_chat(spread_dir, async_scheduling):
+    """Giving way (preempted, then recomputed) changes when a choice runs, never what it says:
+    seeded choices, with overlap scheduling (a choice gives way while its token is in flight)
+    and without."""
+    config = dict(max_num_seqs=N, max_num_batched_tokens=256, async_scheduling=async_scheduling)
     alone = make_engine(spread_dir, **config)
-    add_big(alone, 8)
+    add_big(alone, 8, seeded=True)
     _, expected = run(alone, chat_at=None)
     shared = make_engine(spread_dir, **config)
-    add_big(shared, 8)
+    add_big(shared, 8, seeded=True)
     _, tokens = run(shared)
     assert shared.num_preemptions > 0  # a choice gave way to the chat
     assert {k: v for k, v in tokens.items() if k != "chat"} == expected
-    assert len({tuple(v) for v in expected.values()}) == 1  # greedy: the choices agree
+    assert len({tuple(v) for v in expected.values()}) == N  # the seeds matter
 
 
 def schedules(engine) -> list:
