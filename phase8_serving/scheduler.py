@@ -17,9 +17,9 @@ newest of the request that runs the most; with one sequence per request, the mos
 admitted: LIFO, like an OOM killer picking the newest process): its cache is freed and it goes
 back to the front of the waiting queue, to be recomputed from scratch. With
 preemption_mode="swap" its blocks are copied to a CPU pool instead, and it waits in `swapped` with
-its computed tokens intact, to be copied back before any new request is admitted (when the CPU
-pool is full, it is recomputed). A sequence alone in the pool always finds room, so it never
-preempts itself.
+its computed tokens intact, to be copied back before any new sequence is admitted, unless that
+one's request is served less (when the CPU pool is full, it is recomputed). A sequence alone in
+the pool always finds room, so it never preempts itself.
 Admission keeps a watermark: a newcomer is admitted only if there is room for all its tokens (not
 just this step's chunk) and, besides, one free block per running sequence (the newcomer included),
 so the next steps do not have to evict what this step took in. (vLLM keeps 1% of the cache free; one
@@ -31,7 +31,7 @@ processes): a server's client asks for n choices of a prompt, and each is a sequ
 First come, first served per sequence let one request of n=16 x 8,000 tokens hold every running
 slot, or every KV block, or the front of the queue, until it was done, while another client
 waited for its first token. Now the sequences of one request share a `group_id`, a request's
-share is the number of its sequences running, and three rules use it:
+share is the number of its sequences running, and four rules use it:
 - `running` is kept in fair order, round robin over requests: every request's first sequence,
   then every request's second, ... (admission order within a round). The budget goes front to
   back and preemption takes from the back, so the request that runs the most yields first (its
@@ -39,11 +39,13 @@ share is the number of its sequences running, and three rules use it:
   decodes behind it in that order, for the steps of its prefill);
 - admission takes the waiting sequence of the least served request (first come among equals);
 - when the running cap or the KV cache keeps that sequence out and its request runs at least two
-  sequences fewer than the request of the last running sequence, that one gives way (preempted and
-  recomputed; a freed block stays in the prefix cache, so most of it is a cache hit).
+  sequences fewer than the request of the last running sequence, that one gives way (preempted as
+  for memory; recomputed, most of it is a prefix cache hit: a freed block stays cached);
+- a swapped-out sequence goes back in before a waiting one only if its request is served as
+  little (it was admitted first).
 With one sequence per request (workload W, offline `generate`) every rule is phase 7's: the order
-is admission order, the head of the queue is the least served, and nobody is preempted for
-fairness.
+is admission order, the head of the queue is the least served, nobody is preempted for fairness,
+and the swapped-out go first.
 
 Since phase 4: KV room is counted in blocks (block_manager.py). On admission the longest cached
 prefix of the sequence's tokens is mapped from the prefix cache and counted as computed, so only
@@ -104,15 +106,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._order_fairly()
-        if not self.swapped:  # else nobody is admitted this step: a freed slot would go unused
-            self._make_room_for_the_least_served(out)
+        self._make_room_for_the_least_served(out)
         num_yielded = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if len(out.preempted) == num_yielded:  # memory is tight after a preemption: admit nobody
             budget = self._swap_in(out, budget)
-            if not self.swapped:  # the swapped-out ones were admitted before: they go first
+            if not self.swapped or self._swapped_yields():
                 self._admit_waiting(out, budget)
         return out
+
+    def _swapped_yields(self) -> bool:
+        """Whether the first swapped-out sequence lets a waiting one go first: only one of a
+        less served request (the swapped-out ones were admitted before, so among equals they
+        go first)."""
+        if not self.waiting:
+            return False
+        least_served = self._least_served_waiting().group_id
+        return self.num_running[least_served] < self.num_running[self.swapped[0].group_id]
 
     def _order_fairly(self) -> None:
         """Puts `running` in fair order: round robin over requests, each request's sequences in
@@ -141,15 +151,14 @@ class Scheduler:
     def _make_room_for_the_least_served(self, out: SchedulerOutput) -> None:
         """Fair share: while the running cap or the KV cache keeps out the sequence admission
         would take, and its request runs at least two sequences fewer than the request of the
-        last running sequence, that one gives way (recomputed later: swapped out, it would be
-        swapped in again before anyone is admitted)."""
+        last running sequence, that one gives way (preempted as for memory)."""
         while self.waiting and self.running:
             seq, last = self._least_served_waiting(), self.running[-1]
             if self.num_running[seq.group_id] + 1 >= self.num_running[last.group_id]:
                 return  # giving way would not make the shares more even
             if len(self.running) < self.config.max_num_seqs and self._can_admit(seq):
                 return
-            self._preempt(last, out, swap=False)
+            self._preempt(last, out)
             out.preempted.append(last)
 
     def _watermark(self) -> int:
@@ -212,6 +221,8 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
+            if self._swapped_yields():
+                break
             seq = self.swapped[0]
             num_new = self._num_new_tokens(seq.num_tokens - seq.num_computed_tokens, budget)
             watermark = self._watermark()  # as for admission
@@ -236,11 +247,9 @@ class Scheduler:
         if not self.num_running[seq.group_id]:
             del self.num_running[seq.group_id]
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool = True) -> None:
-        """Takes `seq` out of the running batch; `swap`: to the CPU pool if the mode and room
-        allow, else it is recomputed."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._stop_running(seq)
-        swap = swap and self.config.preemption_mode == PreemptionMode.SWAP
+        swap = self.config.preemption_mode == PreemptionMode.SWAP
         if swap and self.block_manager.can_swap_out(seq):
             out.blocks_to_swap_out += self.block_manager.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED

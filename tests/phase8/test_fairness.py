@@ -81,6 +81,7 @@ def run(
     return first_token, tokens
 
 
+PREEMPTION = {"recompute": {}, "swap": dict(preemption_mode="swap", num_cpu_kv_blocks=16)}
 # (engine config, the big request's prompt length and number of prompts, the chat's arrival step)
 CONSTRAINTS = {
     # n fills the running cap: the chat got a slot when the choices finished (~57 steps)
@@ -88,6 +89,8 @@ CONSTRAINTS = {
     # n x 68 tokens outgrow the KV cache (448 slots) from step ~40: the chat, arriving then, got
     # in behind the choices preempted by their growth, when the first of them finished
     "kv_cache": (dict(num_kv_blocks=28, block_size=16), 8, 1, 45),
+    # the same in swap mode: the swapped-out choices went back in before anyone was admitted
+    "kv_cache_swap": (dict(num_kv_blocks=28, block_size=16, **PREEMPTION["swap"]), 8, 1, 45),
     # N different prompts of 120 tokens, a 64-token budget: the chat waited for all of them
     "budget": (dict(max_num_batched_tokens=64), 120, N, ARRIVAL_STEP),
 }
@@ -145,13 +148,15 @@ def test_the_choices_tokens_do_not_depend_on_the_chat(spread_dir, async_scheduli
 
 
 def schedules(engine) -> list:
-    """Every step's (scheduled (seq_id, num_new), preempted seq_ids), recorded as it runs."""
+    """Every step's (scheduled (seq_id, num_new), preempted seq_ids, blocks swapped out),
+    recorded as it runs."""
     recorded, schedule = [], engine.scheduler.schedule
 
     def recording():
         out = schedule()
         scheduled = [(seq.seq_id, num_new) for seq, num_new in out.scheduled]
-        recorded.append((scheduled, [seq.seq_id for seq in out.preempted]))
+        preempted = [seq.seq_id for seq in out.preempted]
+        recorded.append((scheduled, preempted, len(out.blocks_to_swap_out)))
         return out
 
     engine.scheduler.schedule = recording
@@ -161,12 +166,13 @@ def schedules(engine) -> list:
 W_LIKE = dict(max_num_seqs=6, max_num_batched_tokens=48, num_kv_blocks=24, block_size=8)
 
 
-def test_one_sequence_per_request_is_scheduled_as_in_phase7(spread_dir):
+@pytest.mark.parametrize("preemption", list(PREEMPTION))
+def test_one_sequence_per_request_is_scheduled_as_in_phase7(spread_dir, preemption):
     """Singleton groups (W, `generate`): the same steps as phase 7's scheduler, preemptions and
     chunks included, so fairness costs a workload of independent requests nothing."""
     runs = []
     for module in (phase7_optim, phase8_serving):
-        engine = make_engine(spread_dir, module, **W_LIKE)
+        engine = make_engine(spread_dir, module, **W_LIKE, **PREEMPTION[preemption])
         recorded = schedules(engine)
         for i in range(12):
             params = module.SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
@@ -174,7 +180,8 @@ def test_one_sequence_per_request_is_scheduled_as_in_phase7(spread_dir):
         while engine.has_unfinished_requests():
             engine.step()
         runs.append(recorded)
-    assert any(preempted for _, preempted in runs[1])  # under pressure: the rules all apply
+    assert any(preempted for _, preempted, _ in runs[1])  # under pressure: the rules all apply
+    assert any(swapped for _, _, swapped in runs[1]) == (preemption == "swap")
     assert runs[0] == runs[1]
 
 
