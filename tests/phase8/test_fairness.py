@@ -84,14 +84,14 @@ def run(
 PREEMPTION = {"recompute": {}, "swap": dict(preemption_mode="swap", num_cpu_kv_blocks=16)}
 # (engine config, the big request's prompt length and number of prompts, the chat's arrival step)
 CONSTRAINTS = {
-    # n fills the running cap: the chat got a slot when the choices finished (~57 steps)
+    # n fills the running cap: the chat got a slot when the choices finished (58 steps)
     "running_cap": (dict(max_num_seqs=N), 8, 1, ARRIVAL_STEP),
     # n x 68 tokens outgrow the KV cache (448 slots) from step ~40: the chat, arriving then, got
-    # in behind the choices preempted by their growth, when the first of them finished
+    # in behind the choices preempted by their growth, when the first of them finished (16)
     "kv_cache": (dict(num_kv_blocks=28, block_size=16), 8, 1, 45),
     # the same in swap mode: the swapped-out choices went back in before anyone was admitted
     "kv_cache_swap": (dict(num_kv_blocks=28, block_size=16, **PREEMPTION["swap"]), 8, 1, 45),
-    # N different prompts of 120 tokens, a 64-token budget: the chat waited for all of them
+    # N different prompts of 120 tokens, a 64-token budget: the chat waited for all of them (14)
     "budget": (dict(max_num_batched_tokens=64), 120, N, ARRIVAL_STEP),
 }
 
