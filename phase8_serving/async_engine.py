@@ -14,7 +14,8 @@ Invariants:
 - `add_requests` checks every prompt against the core's limits first (a ValueError, before
   anything is sent), then sends all of an HTTP request's prompts in ONE message to one core
   (the least loaded; with the other requests added in the same event-loop turn), so they are
-  admitted together;
+  admitted together, as one group: the core's scheduler is fair between HTTP requests, so one
+  with n=16 choices does not keep another's first token waiting;
 - a stream closed before it finished aborts all its unfinished engine requests in one message;
 - a core that dies fails the requests it held (`EngineDeadError`) and `is_alive` turns False;
   a failed step fails its requests (`EngineStepError`); no request ever waits forever;
@@ -200,7 +201,7 @@ class AsyncLLM:
             )  # fmt: skip
             core.num_requests += 1
             core.num_tokens += len(prompt) + p.max_tokens
-            requests.append(EngineCoreRequest(engine_id, prompt, p))
+            requests.append(EngineCoreRequest(engine_id, prompt, p, request_id))  # one group
         self.client.add(core, requests)
         return RequestStream(self, ids, collector)
 

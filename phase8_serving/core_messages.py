@@ -47,6 +47,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    group_id: str | None = None  # the client request it is a choice of (the scheduler's fairness)
 
 
 class Hello(Message):

@@ -58,7 +58,9 @@ it finishes (`FINAL_ONLY`); a request that no stop string can end and whose text
 before it finishes is detokenized once, at the end (detokenizing every token every step costs
 microseconds a request). The engine also counts `num_preemptions` for the server's metrics, and
 `num_steps` and `last_schedule` (the step's `SchedulerOutput`) let the dashboard show what the
-last step ran. `min_tokens` (vLLM's rule): before that many tokens, EOS and stop tokens cannot be
+last step ran. The engine core passes each client request's id as the `group_id` of all its
+choices, so the scheduler shares the engine fairly between client requests, not sequences
+(scheduler.py). `min_tokens` (vLLM's rule): before that many tokens, EOS and stop tokens cannot be
 sampled (model_runner.py) nor end the request, and a stop string counts only if it ends in text
 of a later token. Token ids a request names (stop tokens, logit bias) must be in the vocabulary,
 or `add_request` refuses it. None of this makes overlap scheduling wait for a step's tokens: the
@@ -243,13 +245,20 @@ class LLMEngine:
         self.last_schedule = SchedulerOutput()  # what the last step ran, for the dashboard
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        group_id: str | None = None,
     ) -> str:
-        """Queues one request; raises (changing nothing) if it is malformed or can never run."""
+        """Queues one request; raises (changing nothing) if it is malformed or can never run.
+        `group_id`: the client request it is one choice of, shared by all of them (the scheduler
+        is fair across groups, not sequences); None: a group of its own."""
         check_prompt("prompt", prompt)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_optional("request_id", request_id, str)
+        check_optional("group_id", group_id, str)
         params.check_token_ids(self.model.config.vocab_size)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
@@ -277,7 +286,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(seq_id, request_id, prompt_ids, params)
+        seq = Sequence(seq_id, request_id, prompt_ids, params, group_id)
         self.requests[request_id] = Request(seq)
         self.scheduler.add(seq)
         return request_id

@@ -196,7 +196,9 @@ class EngineCore:
         rejected = []
         for r in requests:
             try:
-                self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
+                self.engine.add_request(
+                    r.prompt_token_ids, r.params, r.request_id, group_id=r.group_id
+                )
             except ValueError as e:  # the front end checks first; this is the last line
                 rejected.append(EngineCoreOutput(r.request_id, [], None, "error", str(e)))
                 continue

@@ -5,22 +5,47 @@ for the whole batch; a long prompt's prefill stalls everyone's decoding; and if 
 out, something must give.
 Idea (vLLM v1): there is no prefill or decode phase, only each sequence's `num_computed_tokens`
 catching up to its `num_tokens`. Every step has a token budget (`max_num_batched_tokens`):
-1. running sequences first, in admission order: each gets what it still needs (1 token when
-   decoding), so decodes are never stalled behind a new prompt;
-2. then waiting sequences are admitted while the budget, `max_num_seqs` and the KV cache allow.
+1. running sequences first, in fair order (below): each gets what it still needs (1 token when
+   decoding); with one sequence per request that is admission order, so decodes are never
+   stalled behind a newer prompt;
+2. then waiting sequences are admitted while the budget, `max_num_seqs` and the KV cache allow,
+   the least served request's first.
 With chunked prefill a prompt larger than the remaining budget takes what is left (a chunk) and
 continues next step; without it, a prompt waits until it fits whole.
-When a running sequence cannot get KV room, the most recently admitted sequence is preempted
-(LIFO, like an OOM killer picking the newest process): its cache is freed and it goes back to the
-front of the waiting queue, to be recomputed from scratch. With preemption_mode="swap" its blocks
-are copied to a CPU pool instead, and it waits in `swapped` with its computed tokens intact,
-to be copied back before any new request is admitted (when the CPU pool is full, it is
-recomputed). A sequence alone in the pool always finds room, so it never preempts itself.
+When a running sequence cannot get KV room, the last sequence in fair order is preempted (the
+newest of the request that runs the most; with one sequence per request, the most recently
+admitted: LIFO, like an OOM killer picking the newest process): its cache is freed and it goes
+back to the front of the waiting queue, to be recomputed from scratch. With
+preemption_mode="swap" its blocks are copied to a CPU pool instead, and it waits in `swapped` with
+its computed tokens intact, to be copied back before any new sequence is admitted, unless that
+one's request is served less (when the CPU pool is full, it is recomputed). A sequence alone in
+the pool always finds room, so it never preempts itself.
 Admission keeps a watermark: a newcomer is admitted only if there is room for all its tokens (not
 just this step's chunk) and, besides, one free block per running sequence (the newcomer included),
 so the next steps do not have to evict what this step took in. (vLLM keeps 1% of the cache free; one
 block per sequence is what our small pools need.) After a preemption nobody is admitted in the same
 step: memory is short.
+
+Fair share across requests (phase 8; a fair-share CPU scheduler divides time between users, not
+processes): a server's client asks for n choices of a prompt, and each is a sequence of its own.
+First come, first served per sequence let one request of n=16 x 8,000 tokens hold every running
+slot, or every KV block, or the front of the queue, until it was done, while another client
+waited for its first token. Now the sequences of one request share a `group_id`, a request's
+share is the number of its sequences running, and four rules use it:
+- `running` is kept in fair order, round robin over requests: every request's first sequence,
+  then every request's second, ... (admission order within a round). The budget goes front to
+  back and preemption takes from the back, so the request that runs the most yields first (its
+  decodes too: a less served request's prompt chunk that takes the whole budget holds back the
+  decodes behind it in that order, for the steps of its prefill);
+- admission takes the waiting sequence of the least served request (first come among equals);
+- when the running cap or the KV cache keeps that sequence out and its request runs at least two
+  sequences fewer than the request of the last running sequence, that one gives way (preempted as
+  for memory; recomputed, most of it is a prefix cache hit: a freed block stays cached);
+- a swapped-out sequence goes back in before a waiting one only if its request is served as
+  little (it was admitted first).
+With one sequence per request (workload W, offline `generate`) every rule is phase 7's: the order
+is admission order, the head of the queue is the least served, nobody is preempted for fairness,
+and the swapped-out go first.
 
 Since phase 4: KV room is counted in blocks (block_manager.py). On admission the longest cached
 prefix of the sequence's tokens is mapped from the prefix cache and counted as computed, so only
@@ -37,10 +62,10 @@ Invariants (check_invariants): every running sequence has a block table, so does
 sequence whose last step still runs, and no other sequence has one; running <= max_num_seqs;
 waiting sequences have num_computed_tokens == 0; swapped sequences hold CPU blocks for exactly
 their computed tokens, and no other sequence holds any; between steps only running sequences
-have placeholders, at most one each.
+have placeholders, at most one each; `num_running` counts each request's running sequences.
 """
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -67,7 +92,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.running: list[Sequence] = []  # fair order: the last one is preempted first
+        self.num_running: Counter[str] = Counter()  # group_id -> its running sequences (> 0)
         self.swapped: deque[Sequence] = deque()  # preempted with their blocks on the CPU
         self.finished_in_flight: list[Sequence] = []  # finished, but a running step writes them
 
@@ -79,12 +105,71 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._order_fairly()
+        self._make_room_for_the_least_served(out)
+        num_yielded = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:  # memory is tight when someone was just preempted: admit nobody
+        if len(out.preempted) == num_yielded:  # memory is tight after a preemption: admit nobody
             budget = self._swap_in(out, budget)
-            if not self.swapped:  # the swapped-out ones were admitted before: they go first
+            if not self.swapped or self._swapped_yields():
                 self._admit_waiting(out, budget)
         return out
+
+    def _swapped_yields(self) -> bool:
+        """Whether the first swapped-out sequence lets a waiting one go first: only one of a
+        less served request (the swapped-out ones were admitted before, so among equals they
+        go first)."""
+        if not self.waiting:
+            return False
+        least_served = self._least_served_waiting().group_id
+        return self.num_running[least_served] < self.num_running[self.swapped[0].group_id]
+
+    def _order_fairly(self) -> None:
+        """Puts `running` in fair order: round robin over requests, each request's sequences in
+        the order they run now. With one sequence per request that order is left as it is."""
+        if len(self.num_running) == len(self.running):
+            return
+        seen: Counter[str] = Counter()
+        rounds = []
+        for seq in self.running:
+            rounds.append(seen[seq.group_id])  # how many of its request's sequences come before
+            seen[seq.group_id] += 1
+        order = sorted(range(len(self.running)), key=rounds.__getitem__)  # stable within a round
+        self.running = [self.running[i] for i in order]
+
+    def _least_served_waiting(self) -> Sequence:
+        """The first waiting sequence among those whose request runs the fewest sequences."""
+        best, best_share = self.waiting[0], self.num_running[self.waiting[0].group_id]
+        for seq in self.waiting:
+            if best_share == 0:
+                break  # nobody is served less
+            share = self.num_running[seq.group_id]
+            if share < best_share:
+                best, best_share = seq, share
+        return best
+
+    def _make_room_for_the_least_served(self, out: SchedulerOutput) -> None:
+        """Fair share: while the running cap or the KV cache keeps out the sequence admission
+        would take, and its request runs at least two sequences fewer than the request of the
+        last running sequence, that one gives way (preempted as for memory)."""
+        while self.waiting and self.running:
+            seq, last = self._least_served_waiting(), self.running[-1]
+            if self.num_running[seq.group_id] + 1 >= self.num_running[last.group_id]:
+                return  # giving way would not make the shares more even
+            if len(self.running) < self.config.max_num_seqs and self._can_admit(seq):
+                return
+            self._preempt(last, out)
+            out.preempted.append(last)
+
+    def _watermark(self) -> int:
+        # One block per running sequence and one for the newcomer; none if it will run alone: it
+        # then has the whole pool, and a request that fits the pool must always get in.
+        return len(self.running) + 1 if self.running else 0
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """Room in the KV cache for all of a waiting sequence's tokens (see _admit_waiting)."""
+        cached = self.block_manager.match_prefix(seq)
+        return self.block_manager.can_allocate(cached, seq.num_tokens, self._watermark())
 
     # exercise 4.1: the token budget and chunked prefill
     def _num_new_tokens(self, remaining: int, budget: int) -> int:
@@ -108,7 +193,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is seq:
-                    return budget  # everyone admitted after `seq` is already gone too
+                    return budget  # everyone after `seq` in fair order is already gone too
             self.block_manager.append_slots(seq, num_new)
             out.scheduled.append((seq, num_new))
             budget -= num_new
@@ -116,46 +201,54 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._least_served_waiting()
             cached = self.block_manager.match_prefix(seq)
             num_computed = len(cached) * self.block_manager.block_size
             num_new = self._num_new_tokens(seq.num_tokens - num_computed, budget)
-            # One block per running sequence and one for the newcomer; none if it will run alone:
-            # it then has the whole pool, and a request that fits the pool must always get in.
-            watermark = len(self.running) + 1 if self.running else 0
             # Room for all its tokens, not just this step's chunk: admitted for a first chunk only,
             # it would be evicted by its own next chunk, again and again.
             if num_new == 0 or not self.block_manager.can_allocate(
-                cached, seq.num_tokens, watermark
+                cached, seq.num_tokens, self._watermark()
             ):
-                return  # first come, first served: nobody overtakes the head of the queue
+                return  # nobody overtakes it: the first come of the least served requests
             seq.num_computed_tokens = num_computed  # the cached prefix counts as computed
             self.block_manager.allocate(seq, cached, num_computed + num_new)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.waiting.remove(seq)
+            self._start_running(seq)
             out.scheduled.append((seq, num_new))
             out.admitted.append(seq)
             budget -= num_new
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
+            if self._swapped_yields():
+                break
             seq = self.swapped[0]
             num_new = self._num_new_tokens(seq.num_tokens - seq.num_computed_tokens, budget)
-            watermark = len(self.running) + 1 if self.running else 0  # as for admission
+            watermark = self._watermark()  # as for admission
             remaining = seq.num_tokens - seq.num_computed_tokens  # all of it, as for admission
             if num_new == 0 or not self.block_manager.can_swap_in(seq, remaining, watermark):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += self.block_manager.swap_in(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return budget
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.num_running[seq.group_id] += 1
+
+    def _stop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.num_running[seq.group_id] -= 1
+        if not self.num_running[seq.group_id]:
+            del self.num_running[seq.group_id]
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._stop_running(seq)
         swap = self.config.preemption_mode == PreemptionMode.SWAP
         if swap and self.block_manager.can_swap_out(seq):
             out.blocks_to_swap_out += self.block_manager.swap_out(seq)
@@ -172,7 +265,7 @@ class Scheduler:
         a step launched on the device still computes it, so it keeps its blocks (the device may
         still write them) until `free_finished_in_flight`, once that step is done."""
         if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
             if in_flight:
                 self.finished_in_flight.append(seq)
             else:
@@ -197,6 +290,7 @@ class Scheduler:
         holders = self.running + self.finished_in_flight
         assert set(self.block_manager.block_tables) == {s.seq_id for s in holders}
         assert len(self.running) <= self.config.max_num_seqs
+        assert self.num_running == Counter(seq.group_id for seq in self.running)
         for seq in self.running:
             assert seq.status == SequenceStatus.RUNNING
             assert seq.num_output_placeholders in (0, 1)

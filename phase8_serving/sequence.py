@@ -15,6 +15,9 @@ Overlap scheduling (engine.py): a token sampled by a step still running on the d
 in `num_output_placeholders` (vLLM's name) until the host reads it; the scheduler treats it as a
 token that exists, the model runner feeds it to the next step from the device.
 
+Fair share (scheduler.py): the sequences of one client request (its n choices of each of its
+prompts) share a `group_id`, vLLM v0's SequenceGroup; a sequence added on its own is a group of one.
+
 Invariants: 0 <= num_computed_tokens <= num_tokens + num_output_placeholders;
 num_tokens = num_prompt_tokens + outputs (the tokens the host knows).
 """
@@ -39,10 +42,16 @@ class FinishReason(enum.Enum):
 
 class Sequence:
     def __init__(
-        self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        group_id: str | None = None,
     ):
         self.seq_id = seq_id
         self.request_id = request_id
+        self.group_id = request_id if group_id is None else group_id  # None: a group of its own
         self.params = params
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -140,6 +140,47 @@ def test_a_batched_request_enters_in_one_message_and_leaves_together(live_server
     assert bystander.longest_wait < MAX_STALL_S
 
 
+BIG_TOKENS = 24  # each choice's; every step of the big request is slowed (SLOW_MARK)
+FAIR_FIRST_TOKEN_STEPS = 6  # the chat's answer within this many of the big request's steps
+
+
+def test_n_long_choices_do_not_hold_off_another_clients_answer(live_server):
+    """A request whose n=16 choices fill all 16 running slots of the engine for BIG_TOKENS slowed
+    steps: another client's chat, sent once they stream, is answered within a few of those steps
+    (the scheduler's fair share across requests). First come, first served per sequence answered
+    it after the last of them."""
+    url = live_server.base_url
+    big = {"prompt": [*SLOW_MARK, *b"long"], "n": 16, "max_tokens": BIG_TOKENS,
+           "ignore_eos": True, "stream": True, "logprobs": 0}  # fmt: skip
+    steps = []  # the big request's steps: its choice 0's tokens, as they arrive
+    started = threading.Event()
+
+    def stream_big() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=big, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if choice["index"] == 0:  # logprobs: one entry per token, text held back or not
+                    steps.extend([time.perf_counter()] * len(choice["logprobs"]["tokens"]))
+                    started.set()
+
+    thread = threading.Thread(target=stream_big)
+    thread.start()
+    try:
+        assert started.wait(30), "the big request did not start"
+        before = len(steps)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        response = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+        during = len(steps) - before
+    finally:
+        thread.join(60)
+    assert response.status_code == 200, response.text
+    assert len(steps) == BIG_TOKENS  # the big request ran to its end, one chunk a step
+    assert during <= FAIR_FIRST_TOKEN_STEPS, f"answered after {during} of its steps"
+    live_server.wait_until_idle(timeout=2.0)
+
+
 def test_a_huge_stop_list_is_a_400(live_server):
     body = {"prompt": "hi", "max_tokens": 2, "stop": ["s"] * 1_000_000}  # ~5 MB of stops
     with Bystander(live_server.base_url) as bystander:
