@@ -34,6 +34,9 @@ through the stub server LOADS times, the server's CPU per request (phase8_servin
 `--data-parallel-only SIZES` (e.g. 1,2; one GPU per engine core): the tuned server at each
 `--data-parallel-size`, W streamed twice (the first load warms a fresh server), and `dp_speedup`,
 each size's second load over the first size's (phase8_serving_dp.json; goal at 2: >= 1.8).
+`--offline-only`: W twice through phase 7's `LLM`, then twice through phase 8's, same checkpoint
+and flags: what phase 8's offline path (the output processor, the fair-share scheduler) costs
+(`phase8_over_phase7`, best pass over best pass; phase8_serving_offline.json).
 `--qwen3-5-only`: the hybrid model, Qwen3.5-0.8B shapes (dummy weights), tuned flags: W offline,
 then streamed at saturation through one server twice; `served_over_offline` from the second
 load (the first, a fresh server's, is recorded beside it; goal >= 0.95;
@@ -59,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+import phase8_serving
 from benchmarks.harness import (
     QWEN3_0_6B,
     QWEN3_5_0_8B,
@@ -70,7 +74,7 @@ from benchmarks.harness import (
     workload_w,
     write_result,
 )
-from phase8_serving import LLM, SamplingParams
+from phase8_serving import LLM
 from phase8_serving.engine_core import EngineCoreSpec, build_llm
 from phase8_serving.model_runner import SampledTokens
 
@@ -105,22 +109,43 @@ def write_checkpoint(directory: Path, config: dict, tokenizer_dir: Path) -> Path
     return directory
 
 
-def run_offline(checkpoint: Path, workload: list[Request], device: str, flags: dict) -> dict:
-    llm = LLM(checkpoint, device=device, **flags)
-    params = [SamplingParams(temperature=W_TEMPERATURE, max_tokens=r.max_tokens, ignore_eos=True)
-              for r in workload]  # fmt: skip
+def run_offline(checkpoint: Path, workload: list[Request], device: str, flags: dict,
+                phase=phase8_serving, passes: int = 1) -> dict:  # fmt: skip
+    """W through `phase`'s offline `LLM.generate` (after a warm-up), `passes` times; the first
+    pass's numbers, and every pass's tok/s in `passes_output_tok_s`."""
+    llm = phase.LLM(checkpoint, device=device, **flags)
+    params = [phase.SamplingParams(temperature=W_TEMPERATURE, max_tokens=r.max_tokens,
+                                   ignore_eos=True) for r in workload]  # fmt: skip
     prompts = [r.prompt_ids for r in workload]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    runs = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        runs.append((seconds, sum(len(o.outputs[0].token_ids) for o in outs)))
     llm.shutdown()
     del llm, outs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the server's engine core needs this memory
-    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
+    (seconds, tokens), *_ = runs
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "passes_output_tok_s": [n / t for t, n in runs]}  # fmt: skip
+
+
+def run_offline_ab(model: Path, device: str, flags: dict, workload) -> dict:
+    """Phase 7's `LLM` (the engine's own stop and detokenize code) against phase 8's (`LLMEngine`
+    + the output processor, fair-share scheduler), same checkpoint and flags, W twice on each."""
+    import phase7_optim
+
+    rows = {}
+    for name, phase in (("phase7", phase7_optim), ("phase8", phase8_serving)):
+        print(f"{name} offline ...")
+        rows[name] = run_offline(model, workload, device, flags, phase, passes=2)
+        print(f"  {', '.join(f'{x:,.0f}' for x in rows[name]['passes_output_tok_s'])} output tok/s")
+    best = {name: max(row["passes_output_tok_s"]) for name, row in rows.items()}
+    return {"offline": rows, "phase8_over_phase7": best["phase8"] / best["phase7"]}
 
 
 # -- the front-end ceiling: an engine core whose runner is a stub ---------------------------------
@@ -450,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-parallel-only", type=parallel_sizes, metavar="SIZES",
                         default=None, help="only data parallelism: the tuned server at each "
                         "--data-parallel-size in SIZES (e.g. 1,2), W streamed twice")  # fmt: skip
+    parser.add_argument("--offline-only", action="store_true",
+                        help="only offline: W twice through phase 7's LLM, then phase 8's, "
+                        "same flags")  # fmt: skip
     parser.add_argument("--qwen3-5-only", action="store_true",
                         help="only Qwen3.5-0.8B shapes: W offline, then streamed through the "
                         "tuned server twice")  # fmt: skip
@@ -582,6 +610,14 @@ def main() -> None:
                                      args.tokenizer_dir)  # fmt: skip
             payload |= run_data_parallel(model, device, flags, workload, args.data_parallel_only)
         write_result("phase8_serving_dp" + "_quick" * quick, payload, args.out)
+        return
+    if args.offline_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = write_checkpoint(Path(tmp) / "model", TINY if quick else QWEN3_0_6B,
+                                     args.tokenizer_dir)  # fmt: skip
+            payload |= run_offline_ab(model, device, flags, workload)
+        path = write_result("phase8_serving_offline" + "_quick" * quick, payload, args.out)
+        print(f"phase 8 / phase 7 offline {payload['phase8_over_phase7']:.3f}; wrote {path}")
         return
     if args.qwen3_5_only:
         payload["workload"]["model"] = "Qwen3.5-0.8B shapes, dummy weights" if not quick else "tiny"
