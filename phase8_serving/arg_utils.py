@@ -22,7 +22,7 @@ from .config import EngineConfig
 
 if typing.TYPE_CHECKING:
     from .engine import LLM
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the server has no TLS
 DEFAULT_PORT = 8000
@@ -99,7 +99,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, temperature: float, max_t
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

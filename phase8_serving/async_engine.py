@@ -46,7 +46,7 @@ from .output_processor import (
     RequestState,
     make_detokenizer,
 )
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .streaming import OutputDelta
 from .tokenizer import Tokenizer
 

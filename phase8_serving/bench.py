@@ -377,7 +377,7 @@ def _format_run(run: dict) -> str:
 
 
 def run_throughput(args, make_llm) -> dict:
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
     fill_device_defaults(args, THROUGHPUT_DEFAULTS)
     requests = random_dataset(
@@ -415,7 +415,7 @@ def run_throughput(args, make_llm) -> dict:
 
 
 def run_latency(args, make_llm) -> dict:
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
     fill_device_defaults(args, LATENCY_DEFAULTS)
     rng = random.Random(args.seed)

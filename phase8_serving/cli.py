@@ -54,7 +54,7 @@ from .serve import add_engine_core_parser, add_serve_parser
 
 if typing.TYPE_CHECKING:
     from .engine import LLM, Message, RequestOutput
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
     from .tokenizer import Tokenizer
 
 OMP_WAIT_POLICY = "PASSIVE"  # threads sleep at a barrier instead of spinning on a shared CPU

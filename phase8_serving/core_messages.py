@@ -19,8 +19,9 @@ They travel on ZMQ sockets made by `make_socket`: a ROUTER in the core, a DEALER
 import msgspec
 import zmq
 
+from .logprobs import TokenLogprobs
 from .metrics import EngineStats
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling_params import SamplingParams
 
 
 def make_socket(context: zmq.Context, kind: int) -> zmq.Socket:

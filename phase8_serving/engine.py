@@ -90,6 +90,7 @@ from .default_model import default_model_dir
 from .distributed import TensorParallel
 from .kv_cache_config import determine_kv_cache_config, log_kv_cache, model_len
 from .loader import load_model, read_model_config, resolve_device, resolve_dtype, resolve_model_dir
+from .logprobs import TokenLogprobs
 from .model import Qwen3ForCausalLM
 from .model_runner import ModelRunner, SampledTokens
 from .output_processor import (
@@ -99,7 +100,7 @@ from .output_processor import (
     make_detokenizer,
 )
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
-from .sampling import SEED_LIMIT, SamplingParams, TokenLogprobs
+from .sampling_params import SEED_LIMIT, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
 from .streaming import OutputDelta

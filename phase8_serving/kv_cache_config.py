@@ -43,7 +43,8 @@ from .distributed import min_over_ranks
 from .kv_cache import KVCache
 from .model import ModelConfig, Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, is_hybrid
-from .sampling import SamplingBatch, SamplingParams, sample_batch
+from .sampling import SamplingBatch, sample_batch
+from .sampling_params import SamplingParams
 from .state_pool import StatePool
 
 logger = logging.getLogger(__name__)

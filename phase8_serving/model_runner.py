@@ -60,17 +60,10 @@ from .cuda_graph import DecodeGraphs, decode_buckets
 from .input_batch import HostBlockTables, PreparedStep, StepInputs, send_step
 from .kv_cache import KVCache, copy_blocks
 from .kv_cache_config import KVCacheConfig
+from .logprobs import LogprobsTensors, TokenLogprobs, token_logprobs
 from .model import Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
-from .sampling import (
-    LogprobsTensors,
-    SamplingBatch,
-    TokenLogprobs,
-    apply_logit_bias,
-    apply_penalties,
-    sample_batch,
-    token_logprobs,
-)
+from .sampling import SamplingBatch, apply_logit_bias, apply_penalties, sample_batch
 from .sequence import Sequence, SequenceStatus
 from .state_pool import StatePool
 

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .core_messages import EngineCoreOutput, StepOutputs
+from .logprobs import TokenLogprobs
 from .metrics import EngineMetrics, RequestTiming
-from .sampling import TokenLogprobs
 from .streaming import OutputDelta, held_back_length
 from .tokenizer import (
     DETOKENIZE_CONTEXT_TOKENS,

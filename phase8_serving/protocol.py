@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from .sampling import (
+from .sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
     MAX_LOGPROBS,

@@ -20,7 +20,7 @@ string is held back, gives the same offsets as the whole response.
 import time
 from collections.abc import Sequence
 
-from .sampling import TokenLogprobs
+from .logprobs import TokenLogprobs
 from .streaming import OutputDelta
 from .tokenizer import Tokenizer
 

@@ -18,11 +18,6 @@ From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; 
 (`sample_batch`): the same filters with per-row parameter tensors, and one device-to-host copy of
 the chosen ids per step instead of one per row.
 
-Invariant: a `SamplingParams` that exists is valid. Every field is checked with its type when it is
-built (a bool is not a token count, 2.5 is not one either, NaN is not a temperature, a seed fits in
-64 bits), with an error naming the field: a bad request fails where it is made, never inside a
-later batch it shares with good ones.
-
 Phase 7: `sample_batch` stays on the device. Phase 6's batched pass still copies per-row
 parameters each step, sorts every row for top-k and draws with `torch.multinomial` row by row;
 here one step's parameters are per-row tensors (`SamplingBatch`), rows that need no filter skip
@@ -44,183 +39,21 @@ Phase 8 (what a server's clients ask for, as the OpenAI API names it):
 - `logit_bias` (token id -> a bias in [-100, 100] added to its logit) and `min_tokens` (EOS and
   the stop tokens are impossible until that many tokens exist: their logits are -inf), applied
   before the penalties, as vLLM applies its logits processors, by one batched scatter-add in
-  steps where some row has either (`apply_logit_bias`);
-- `logprobs`: the log-probability of each sampled token under the model's raw distribution
-  (before bias, penalties, temperature and filters), plus the `logprobs` most likely
-  alternatives, computed only for the rows that ask, on the device right after sampling
-  (`token_logprobs`), and read when the sampled token is (`LogprobsTensors.tolists`).
-`top_k` -1 or 0 means no top-k filter, as in vLLM (stored as None).
+  steps where some row has either (`apply_logit_bias`).
+`top_k` -1 or 0 means no top-k filter, as in vLLM (stored as None). What a request asks for,
+`SamplingParams` and its checks, moves to sampling_params.py (vLLM's file name: the server's
+protocol and the engine need the parameters, only the runner the sampler), and logprobs to
+logprobs.py; this file keeps how a batch is sampled.
 """
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .sampling_params import SamplingParams
+
 TINY = torch.finfo(torch.float32).tiny  # noise floor: E == 0 would divide 0 / 0 for a dropped token
-
-# The smallest positive temperature: 1/T multiplies the logits, and float32 overflows to inf (then
-# softmax gives NaN) once T nears 1e-38. 1e-5 keeps that far away for any logit below 1e33, and is
-# the threshold below which vLLM (_SAMPLING_EPS) treats a temperature as greedy. Use 0 for greedy.
-MIN_TEMPERATURE = 1e-5
-SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
-MAX_LOGPROBS = 20  # the most alternatives a request may ask for (the OpenAI API's limit)
-MAX_ABS_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2] (the OpenAI API's range)
-# Beyond these, a penalized logit overflows float32 and softmax gives NaN.
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
-MAX_ABS_LOGIT_BIAS = 100.0  # the OpenAI API's range for logit_bias values
-TOP_K_OFF = (-1, 0)  # vLLM's spellings of "no top-k filter"; stored as None
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    """Raises unless `value` is an int (not a bool: True is not a token count) >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"SamplingParams.{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"SamplingParams.{name} must be >= {minimum}, got {value}")
-
-
-def _check_real(name: str, value: object) -> None:
-    """Raises unless `value` is a finite int or float (not a bool, not NaN, not inf)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int | None = None  # None (or -1, 0, as in vLLM): no top-k filter
-    top_p: float = 1.0
-    min_p: float = 0.0
-    max_tokens: int = 16
-    seed: int | None = None
-    ignore_eos: bool = False  # keep generating past EOS (benchmarks want fixed lengths)
-    stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request, like EOS
-    stop: tuple[str, ...] = ()  # strings that end the request; the text is cut before them
-    skip_special_tokens: bool = True  # leave <|im_end|> and friends out of the text
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1: none
-    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k's
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many tokens
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
-
-    def __post_init__(self):
-        # Accept vLLM users' habits (a list) but store tuples: params are frozen.
-        if not isinstance(self.stop_token_ids, list | tuple):
-            raise TypeError(
-                f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}"
-            )
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))  # one string is one stop, as in vLLM
-        if not isinstance(self.stop, list | tuple):
-            raise TypeError(
-                f"SamplingParams.stop must be a str or a list of str, got {self.stop!r}"
-            )
-        object.__setattr__(self, "stop", tuple(self.stop))
-        _check_real("temperature", self.temperature)
-        if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
-            raise ValueError(
-                f"SamplingParams.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
-                f"got {self.temperature}"
-            )
-        if type(self.top_k) is int and self.top_k in TOP_K_OFF:
-            object.__setattr__(self, "top_k", None)
-        if self.top_k is not None:
-            _check_int("top_k", self.top_k, minimum=1)  # None (or -1, 0) disables it
-        _check_real("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        _check_real("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
-            if self.seed >= SEED_LIMIT:
-                raise ValueError(f"SamplingParams.seed must be < 2**64, got {self.seed}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        for token in self.stop_token_ids:
-            _check_int("stop_token_ids", token, minimum=0)
-        for stop in self.stop:
-            if not isinstance(stop, str):
-                raise TypeError(f"SamplingParams.stop must hold strings, got {stop!r}")
-            if not stop:
-                raise ValueError("SamplingParams.stop must not hold an empty string")
-        if not isinstance(self.skip_special_tokens, bool):
-            raise TypeError(
-                "SamplingParams.skip_special_tokens must be a bool, "
-                f"got {self.skip_special_tokens!r}"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            _check_real(name, getattr(self, name))
-            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
-                raise ValueError(
-                    f"SamplingParams.{name} must be in [{-MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], "
-                    f"got {getattr(self, name)}"
-                )
-        _check_real("repetition_penalty", self.repetition_penalty)
-        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(
-                f"SamplingParams.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
-                f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
-            )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(
-                    f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}"
-                )
-        _check_int("min_tokens", self.min_tokens, minimum=0)
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"SamplingParams.min_tokens must be <= max_tokens ({self.max_tokens}), "
-                f"got {self.min_tokens}"
-            )
-        if self.logit_bias is not None:
-            self._check_logit_bias()
-
-    def _check_logit_bias(self) -> None:
-        if not isinstance(self.logit_bias, dict):
-            raise TypeError(f"SamplingParams.logit_bias must be a dict, got {self.logit_bias!r}")
-        object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # the caller's stays theirs
-        for token, bias in self.logit_bias.items():
-            _check_int("logit_bias token id", token, minimum=0)
-            _check_real("logit_bias", bias)
-            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
-                raise ValueError(
-                    f"SamplingParams.logit_bias values must be in [{-MAX_ABS_LOGIT_BIAS}, "
-                    f"{MAX_ABS_LOGIT_BIAS}], got {bias} for token {token}"
-                )
-
-    def check_token_ids(self, vocab_size: int) -> None:
-        """Raises ValueError unless every token id these params name is in [0, vocab_size): an
-        id past the LM head would index out of range inside a batch shared with others."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids),
-                          ("logit_bias", self.logit_bias or ())):  # fmt: skip
-            outside = [t for t in ids if t >= vocab_size]
-            if outside:
-                raise ValueError(
-                    f"SamplingParams.{name} holds token ids outside the vocabulary "
-                    f"[0, {vocab_size}): {outside[:5]}"
-                )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
 
 
 @dataclass
@@ -382,55 +215,3 @@ def apply_penalties(
     logits -= column("frequency_penalty") * output_counts
     logits -= column("presence_penalty") * (output_counts > 0)
     return logits
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One sampled position: the chosen token's log-probability and the most likely tokens'."""
-
-    token_id: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
-
-
-@dataclass
-class LogprobsTensors:
-    """The logprobs of a step's sampling rows that asked for them (vLLM's name), computed on the
-    device right after sampling; `tolists` reads them once the step is done."""
-
-    rows: list[int]  # the sampling rows that asked
-    ks: list[int]  # how many alternatives each asked for
-    values: torch.Tensor  # (W, 1 + K): the sampled token's logprob, then the K most likely's
-    top_ids: torch.Tensor  # (W, K) int64: the K most likely tokens, most likely first
-
-    def to_host(self) -> "LogprobsTensors":
-        """Copies into pinned host memory, queued without blocking: complete once an event
-        recorded after this call has fired."""
-        values = torch.empty(self.values.shape, pin_memory=True)
-        top_ids = torch.empty(self.top_ids.shape, dtype=torch.long, pin_memory=True)
-        values.copy_(self.values, non_blocking=True)
-        top_ids.copy_(self.top_ids, non_blocking=True)
-        return LogprobsTensors(self.rows, self.ks, values, top_ids)
-
-    def tolists(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
-        """Per sampling row (`token_ids`: what each sampled), its logprobs or None. Two reads
-        for the whole batch (values, then ids), none per row."""
-        result: list[TokenLogprobs | None] = [None] * len(token_ids)
-        values, ids = self.values.tolist(), self.top_ids.tolist()
-        for row, k, row_values, row_ids in zip(self.rows, self.ks, values, ids, strict=True):
-            top_k = tuple(zip(row_ids[:k], row_values[1 : k + 1], strict=True))
-            result[row] = TokenLogprobs(token_ids[row], row_values[0], top_k)
-        return result
-
-
-def token_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[int], ks: list[int]
-) -> LogprobsTensors:
-    """logits (R, V) raw, token_ids (R,) sampled, both on the device -> the logprobs of `rows`
-    (row rows[i] asks for ks[i] alternatives). Queued on the device: no sync, nothing read."""
-    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # (W, V)
-    chosen = token_ids.index_select(0, index)[:, None]  # (W, 1)
-    top = logprobs.topk(min(max(ks), logits.shape[-1]), dim=-1)  # (W, K); K = 0: empty
-    values = torch.cat([logprobs.gather(1, chosen), top.values], dim=1)
-    return LogprobsTensors(rows, ks, values, top.indices)

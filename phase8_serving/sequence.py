@@ -24,7 +24,7 @@ num_tokens = num_prompt_tokens + outputs (the tokens the host knows).
 
 import enum
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -17,7 +17,7 @@ Invariant: the concatenated text deltas equal the final text, and every delta is
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .sampling import TokenLogprobs
+from .logprobs import TokenLogprobs
 
 
 class OutputDelta(NamedTuple):

@@ -239,7 +239,7 @@ def test_requests_added_in_one_loop_turn_leave_in_one_message_and_before_what_fo
         EngineCoreRequest,
         make_socket,
     )
-    from phase8_serving.sampling import SamplingParams
+    from phase8_serving.sampling_params import SamplingParams
 
     context = zmq.Context()
     router, dealer = make_socket(context, zmq.ROUTER), make_socket(context, zmq.DEALER)

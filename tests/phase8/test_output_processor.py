@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram
 import phase7_optim
 from phase8_serving.core_messages import EngineCoreOutput, StepOutputs
 from phase8_serving.engine import LLM, RequestOutputKind, TokenIdsOutput
+from phase8_serving.logprobs import TokenLogprobs
 from phase8_serving.metrics import (
     ITL_BUCKETS,
     CountedHistogram,
@@ -29,7 +30,7 @@ from phase8_serving.output_processor import (
     StreamDetokenizer,
     make_detokenizer,
 )
-from phase8_serving.sampling import SamplingParams, TokenLogprobs
+from phase8_serving.sampling_params import SamplingParams
 from phase8_serving.streaming import OutputDelta
 from phase8_serving.tokenizer import IncrementalDetokenizer
 

@@ -9,13 +9,10 @@ import torch
 
 import phase7_optim.sampling
 import phase8_serving.sampling
+from phase8_serving.logprobs import token_logprobs
 from phase8_serving.model_runner import ModelRunner, SampledTokens
-from phase8_serving.sampling import (
-    SamplingParams,
-    apply_logit_bias,
-    apply_penalties,
-    token_logprobs,
-)
+from phase8_serving.sampling import apply_logit_bias, apply_penalties
+from phase8_serving.sampling_params import SamplingParams
 from phase8_serving.sequence import Sequence
 
 VOCAB = 50
