@@ -102,9 +102,9 @@ def replay_screenshots(browser: Chromium, paths: dict[str, Path], step: int, out
 
 
 def live_screenshot(browser: Chromium, model: str | None, num_requests: int, out: Path) -> None:
-    from phase8_serving.api_server import ServerConfig, build_app
+    from phase8_serving.api_server import build_app
     from phase8_serving.async_engine import AsyncLLM
-    from phase8_serving.config import EngineConfig
+    from phase8_serving.config import EngineConfig, ServerConfig
     from phase8_serving.default_model import MODEL_NAME, default_model_dir
     from phase8_serving.engine_core import EngineCoreSpec
     from phase8_serving.loader import resolve_model_dir

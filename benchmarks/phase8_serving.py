@@ -174,9 +174,9 @@ def serve_stub(checkpoint: str, port: int, flags: dict) -> None:
     """The stub server's process: a front end as `mini-vllm serve` builds it, over the stub."""
     import uvicorn
 
-    from phase8_serving.api_server import ServerConfig, build_app
+    from phase8_serving.api_server import build_app
     from phase8_serving.async_engine import AsyncLLM
-    from phase8_serving.config import EngineConfig
+    from phase8_serving.config import EngineConfig, ServerConfig
 
     spec = EngineCoreSpec(checkpoint, "float32", "cpu", EngineConfig(**flags),
                           make_llm=build_stub_llm)  # fmt: skip

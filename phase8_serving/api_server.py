@@ -26,7 +26,6 @@ import contextlib
 import gc
 import logging
 import secrets
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncLLM, EngineDeadError
+from .config import ServerConfig
 from .dashboard import add_dashboard, dashboard_credential
 from .metrics import CONTENT_TYPE
 from .protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
@@ -42,26 +42,6 @@ from .serving_engine import FastJSONResponse, OpenAIServing, error_response
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # reachable without the API key
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # a long-context prompt as text fits well inside
-DEFAULT_MAX_CHOICES_PER_REQUEST = 256  # prompts x n: an engine's worth of running requests
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model_name: str  # what clients put in "model"
-    max_model_len: int  # prompt + completion tokens, at most
-    api_key: str | None = None  # None: no authentication
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get a 413
-    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST  # prompts x n, at most
-    enable_log_requests: bool = False  # a log line per request (uvicorn's access log too)
-    enable_dashboard: bool = True  # GET /dashboard
-
-    def __post_init__(self):
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        for name in ("max_request_body_bytes", "max_choices_per_request"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @contextlib.asynccontextmanager

@@ -23,6 +23,11 @@ vLLM's other names for them (`num_gpu_blocks_override`), and vLLM arguments that
 here, accepted at the value that asks for nothing (`quantization=None`) so code written for vLLM
 runs unchanged, refused with an error that names them at any other; anything else is a TypeError
 that lists what is known.
+
+Phase 8: `ServerConfig`, the HTTP server's own settings (the name clients ask for, the context
+limit the engine core reports, the API key, the body and choice limits, the request log, the
+dashboard), beside the engine's and, like it, importable without the server's dependencies, so
+the command line takes its defaults from here and every part of the server reads one definition.
 """
 
 import difflib
@@ -281,3 +286,25 @@ def engine_config(caller: str, kwargs: dict[str, object], others: tuple[str, ...
             raise TypeError(f"{caller}() got {target!r} twice (once as vLLM's {name!r})")
         config_kwargs[target] = value
     return EngineConfig(**config_kwargs)
+
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # a long-context prompt as text fits well inside
+DEFAULT_MAX_CHOICES_PER_REQUEST = 256  # prompts x n: an engine's worth of running requests
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str  # what clients put in "model"
+    max_model_len: int  # prompt + completion tokens, at most
+    api_key: str | None = None  # None: no authentication
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get a 413
+    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST  # prompts x n, at most
+    enable_log_requests: bool = False  # a log line per request (uvicorn's access log too)
+    enable_dashboard: bool = True  # GET /dashboard
+
+    def __post_init__(self):
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name in ("max_request_body_bytes", "max_choices_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -22,7 +22,12 @@ import signal
 import typing
 
 from .arg_utils import DEFAULT_HOST, DEFAULT_PORT, add_engine_args, engine_kwargs
-from .config import EngineConfig
+from .config import (
+    DEFAULT_MAX_CHOICES_PER_REQUEST,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    EngineConfig,
+    ServerConfig,
+)
 
 if typing.TYPE_CHECKING:
     from .core_messages import CoreInfo
@@ -50,10 +55,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--engine-core-address", nargs="+", default=None, metavar="ADDRESS",
                    help="connect to engine cores started with `mini-vllm engine-core` instead of "
                         "spawning them (tcp://HOST:PORT or ipc://PATH)")  # fmt: skip
-    # None: ServerConfig's defaults (api_server.py, imported only when serving)
-    p.add_argument("--max-request-body-bytes", type=int, default=None,
-                   help="larger request bodies are answered 413 (default 16 MiB)")  # fmt: skip
-    p.add_argument("--max-choices-per-request", type=int, default=None,
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies are answered 413 (default: 16 MiB)")  # fmt: skip
+    p.add_argument("--max-choices-per-request", type=int, default=DEFAULT_MAX_CHOICES_PER_REQUEST,
                    help="prompts x n in one request; more is a 400 (default 256)")  # fmt: skip
     p.add_argument("--enable-log-requests", action="store_true",
                    help="a log line per request, and uvicorn's access log")  # fmt: skip
@@ -89,7 +93,7 @@ def core_spec(args: argparse.Namespace) -> EngineCoreSpec:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn  # the server's dependencies load only for `serve`
 
-    from .api_server import ServerConfig, build_app
+    from .api_server import build_app
     from .async_engine import AsyncLLM
     from .default_model import MODEL_NAME
 
@@ -108,15 +112,12 @@ def serve(args: argparse.Namespace) -> None:
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
         llm = AsyncLLM.spawn(spec, name, args.data_parallel_size)
     try:
-        limits = {
-            name: value
-            for name in ("max_request_body_bytes", "max_choices_per_request")
-            if (value := getattr(args, name)) is not None
-        }
         config = ServerConfig(
             name, llm.info.max_model_len, args.api_key,
+            max_request_body_bytes=args.max_request_body_bytes,
+            max_choices_per_request=args.max_choices_per_request,
             enable_log_requests=args.enable_log_requests,
-            enable_dashboard=not args.disable_dashboard, **limits,
+            enable_dashboard=not args.disable_dashboard,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)

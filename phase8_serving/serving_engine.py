@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import time
-import typing
 import uuid
 from collections.abc import AsyncIterator
 
@@ -37,6 +36,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .async_engine import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
+from .config import ServerConfig
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,9 +54,6 @@ from .responses import (
     usage,
     usage_chunk,
 )
-
-if typing.TYPE_CHECKING:
-    from .api_server import ServerConfig
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"

@@ -25,9 +25,9 @@ import pytest
 import torch
 import uvicorn
 
-from phase8_serving.api_server import ServerConfig, build_app
+from phase8_serving.api_server import build_app
 from phase8_serving.async_engine import AsyncLLM
-from phase8_serving.config import EngineConfig
+from phase8_serving.config import EngineConfig, ServerConfig
 from phase8_serving.core_messages import EngineState
 from phase8_serving.engine_core import EngineCoreSpec
 

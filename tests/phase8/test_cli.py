@@ -62,6 +62,22 @@ def test_kv_cache_flags_reach_the_config():
         assert config.num_kv_blocks == 7
 
 
+def test_the_serve_flags_take_the_server_settings_defaults_without_the_server():
+    """ServerConfig lives beside EngineConfig (config.py), not in api_server.py: the command
+    line reads its defaults from there without importing FastAPI, and they are ServerConfig's."""
+    code = (
+        "import sys; sys.modules['fastapi'] = None\n"  # any import of it fails
+        "from phase8_serving.cli import build_parser\n"
+        "from phase8_serving.config import ServerConfig\n"
+        "args = build_parser().parse_args(['serve'])\n"
+        "default = ServerConfig('m', 2)\n"
+        "assert args.max_request_body_bytes == default.max_request_body_bytes\n"
+        "assert args.max_choices_per_request == default.max_choices_per_request\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_bad_gpu_memory_utilization_is_a_one_line_error(tiny_dir):
     with pytest.raises(SystemExit, match="gpu_memory_utilization must be in"):
         main(["generate", "hi", "--model", str(tiny_dir), "--gpu-memory-utilization", "1.5"])

@@ -25,9 +25,10 @@ import torch
 import phase4_scheduler as p4
 import phase5_paged as p5
 from phase8_serving import LLM
-from phase8_serving.api_server import ServerConfig, build_app
+from phase8_serving.api_server import build_app
 from phase8_serving.async_engine import AsyncLLM
 from phase8_serving.cli import main as cli_main
+from phase8_serving.config import ServerConfig
 from phase8_serving.core_messages import AbortRequests, WatchEngine
 from phase8_serving.engine_core import MAX_SNAPSHOT_DUTY, EngineCore
 from phase8_serving.replay import build_replay_app, load_frames

@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
-from phase8_serving.api_server import ServerConfig, build_app
+from phase8_serving.api_server import build_app
 from phase8_serving.async_engine import AsyncLLM
+from phase8_serving.config import ServerConfig
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, ServerHost, tiny_core_spec, wait_for_health
 from .engine_cores import SLOW_MARK

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from phase8_serving import LLM, SamplingParams
-from phase8_serving.api_server import ServerConfig, build_app
+from phase8_serving.api_server import build_app
 from phase8_serving.async_engine import AsyncLLM
-from phase8_serving.config import EngineConfig
+from phase8_serving.config import EngineConfig, ServerConfig
 from phase8_serving.engine_core import EngineCoreSpec
 from tests import assets
 

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from phase8_serving.api_server import ServerConfig, build_app
+from phase8_serving.api_server import build_app
+from phase8_serving.config import ServerConfig
 from phase8_serving.core_messages import AddRequests
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, assert_openai_error

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from phase8_serving import LLM, SamplingParams
-from phase8_serving.api_server import ServerConfig, build_app
+from phase8_serving.api_server import build_app
 from phase8_serving.async_engine import AsyncLLM
+from phase8_serving.config import ServerConfig
 from phase8_serving.snapshot import engine_snapshot
 from phase8_serving.tokenizer import Tokenizer
 from tests import hybrid

@@ -16,7 +16,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from phase8_serving.api_server import ServerConfig, build_app
+from phase8_serving.api_server import build_app
+from phase8_serving.config import ServerConfig
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, assert_openai_error
 from .engine_cores import FAULT_MARK, SLOW_MARK

@@ -249,8 +249,9 @@ def test_metrics_count_what_was_served(http, client):
 @pytest.mark.slow  # loads the embedded SmolLM2 (~5 s) and generates on 30 float32 layers
 def test_embedded_default_answers_through_the_openai_client():
     """The README's main job: `mini-vllm serve` with no model, asked through `openai`."""
-    from phase8_serving.api_server import ServerConfig, build_app
+    from phase8_serving.api_server import build_app
     from phase8_serving.async_engine import AsyncLLM
+    from phase8_serving.config import ServerConfig
     from phase8_serving.default_model import MODEL_NAME as DEFAULT_NAME
     from phase8_serving.default_model import default_model_dir
     from phase8_serving.engine_core import EngineCoreSpec
