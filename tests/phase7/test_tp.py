@@ -192,6 +192,11 @@ def _rank_main(rank: int, size: int, port: int, mqa_dir: str) -> None:
         _check_model(tp, mqa_dir)
         # each rank sizes its KV cache from its own memory; all keep the smallest count
         assert min_over_ranks(100 - rank, tp, torch.device("cpu")) == 100 - (size - 1)
+        # Both ranks done before either tears gloo down: a rank that closes its sockets while the
+        # other still reads the last collective's reply aborts it ("terminate called without an
+        # active exception", seen once on the loaded 2-core machine). Not in `finally`: after a
+        # failure the other rank may never arrive.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
