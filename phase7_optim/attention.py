@@ -30,23 +30,22 @@ from growing with depth. Llama-family models have no such norm; for them the two
 
 Phase 7 (speed): `context_attention` copies every context out of the paged cache and writes the
 full score matrix to memory before the softmax reads it back; on a GPU that traffic, not
-arithmetic, is the cost (plus one launch per step shape, no graphs). An attention
-backend is chosen once per KV cache (`select_attention_backend`): on CUDA the Triton kernels
-(kernels/) write K/V with `store_kvcache` and read them in place, through the varlen paged
-FlashAttention kernel when any sequence brings more than one new token (prefill, mixed steps) and
-the paged decode kernel when every sequence brings exactly one (decode-only steps, the ones CUDA
-graphs replay); elsewhere `TorchAttention`, the readable path above. Like cache blocking in a
-matrix multiply: tiles that fit on chip are reused instead of streaming intermediates through
-memory. With `fuse_rope_kv_store` (config.py) the q/k norm, RoPE and the store of k and v are one
-kernel before the backend attends (`qk_norm_rope_store`, kernels/fused.py): one launch, not three.
+arithmetic, is the cost (plus one launch per step shape, no graphs). So `Attention` stores and
+attends through the backend its KV cache carries, chosen once per cache (attention_backend.py):
+on CUDA the Triton kernels (kernels/), which read the paged cache in place; elsewhere
+`TorchAttention`, the readable path above. Like cache blocking in a matrix multiply: tiles that
+fit on chip are reused instead of streaming intermediates through memory. With
+`fuse_rope_kv_store` (config.py) the q/k norm, RoPE and the store of k and v are one kernel before
+the backend attends (`qk_norm_rope_store`, kernels/fused.py): one launch, not three.
 
 Conventions the kernels take as they are (no adapter in between): every integer tensor of a
 `ForwardBatch` is `METADATA_DTYPE` (int32); a padded row, used only to fill a CUDA graph's fixed
-batch, has slot_mapping PAD_SLOT_ID (-1: nothing is written) and seq_len 0 (nothing is read, its
-output is 0); block-table entries past a sequence's last block are never read.
+batch, has slot_mapping PAD_SLOT_ID (-1, kernels/__init__.py: nothing is written) and seq_len 0
+(nothing is read, its output is 0); block-table entries past a sequence's last block are never
+read.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
 from typing import TYPE_CHECKING
@@ -61,11 +60,10 @@ from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
-if TYPE_CHECKING:  # kv_cache.py picks its backend from this file
+if TYPE_CHECKING:  # kv_cache.py imports the backends (attention_backend.py), which import this file
     from .kv_cache import KVCache
 
 METADATA_DTYPE = torch.int32  # slots, lengths and block ids of a ForwardBatch
-PAD_SLOT_ID = -1  # slot_mapping entry of a padded row: the KV-store kernel writes nothing for it
 
 
 SDPA_HAS_GQA = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)  # enable_gqa: 2.5
@@ -190,73 +188,6 @@ def context_attention(
         o = sdpa_gqa(q_group, k, v, group.visible[:, None])
         out[group.tokens] = o.transpose(1, 2).flatten(0, 1)
     return out
-
-
-class TorchAttention:
-    """The readable path (CPU, and the oracle on a GPU): phase 6's store and context_attention."""
-
-    def store(self, k, v, k_cache, v_cache, batch: ForwardBatch) -> None:
-        k_cache.flatten(0, 1)[batch.slot_mapping] = k  # (num_blocks * block_size, H_kv, D) view
-        v_cache.flatten(0, 1)[batch.slot_mapping] = v
-
-    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
-        return context_attention(q, k_cache, v_cache, batch)
-
-    def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=DEFAULT_KERNELS) -> torch.Tensor:
-        self.store(k, v, k_cache, v_cache, batch)
-        return self.attend(q, k_cache, v_cache, batch, kernels)
-
-
-class TritonAttention:
-    """The CUDA path: the kernels read the paged cache in place; no host sync, so a decode step
-    can be captured in a CUDA graph."""
-
-    def __init__(self):
-        # Imported here, not at the top: CPU-only installs (macOS, Windows) may have no Triton.
-        from . import kernels
-
-        self.kernels = kernels
-
-    def store(self, k, v, k_cache, v_cache, batch: ForwardBatch) -> None:
-        self.kernels.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-
-    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
-        scale = q.shape[-1] ** -0.5
-        config = self.kernels.default_decode_config(q.device, kernels.tune_decode_attention)
-        if config.pdl and not kernels.programmatic_launch:  # a new config only for the lever
-            config = replace(config, pdl=False)
-        order = batch.decode_order if config.longest_first else None
-        if batch.max_query_len == 1:  # decode-only step: one query per sequence
-            return self.kernels.paged_decode_attention(
-                q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, config=config,
-                order=order,
-            )  # fmt: skip
-        # A mixed step: its leading decodes (tokens 0 … d - 1) go to the decode kernel. In the
-        # prefill kernel a decode fills one row of each head's BLOCK_M-row tile and reads its
-        # whole context in one program: W's first steps (prompts beside up to 230 decodes) spent
-        # over a third of their time in the prefill kernel on an H200.
-        d, out = batch.num_decodes, torch.empty_like(q)
-        if d:
-            self.kernels.paged_decode_attention(
-                q[:d], k_cache, v_cache, batch.seq_lens[:d], batch.block_tables[:d], scale,
-                config=config, out=out[:d], order=order,
-            )  # fmt: skip
-        return self.kernels.flash_attn_varlen_paged(
-            q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-            batch.max_query_len, scale, out=out, first_seq=d,
-        )  # fmt: skip
-
-    def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=DEFAULT_KERNELS) -> torch.Tensor:
-        self.store(k, v, k_cache, v_cache, batch)
-        return self.attend(q, k_cache, v_cache, batch, kernels)
-
-
-AttentionBackend = TorchAttention | TritonAttention
-
-
-def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """The one place the backend is chosen: Triton kernels on CUDA, torch elsewhere."""
-    return TritonAttention() if device.type == "cuda" else TorchAttention()
 
 
 def norm_and_rotate(

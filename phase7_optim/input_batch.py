@@ -24,7 +24,7 @@ A hybrid model's runner also fills `state_slots`, each sequence's row in the sta
 Invariants:
 - rows past a step's sequences (up to a CUDA graph's bucket) are padding: slot PAD_SLOT_ID
   (writes nowhere), state slot PAD_SLOT_ID (no state read or written) and seq_len 0 (reads
-  nothing), the convention of attention.py;
+  nothing), the convention of attention.py (PAD_SLOT_ID: kernels/__init__.py);
 - a host buffer is rewritten only after the copies that read it last step are done
   (`wait_for_copies`);
 - every rank receives the buffers a step reads, in the same order, so the forward passes agree;
@@ -38,7 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .attention import METADATA_DTYPE, PAD_SLOT_ID, ForwardBatch
+from .attention import METADATA_DTYPE, ForwardBatch
+from .kernels import PAD_SLOT_ID  # Triton-free: the kernels load on first use
 
 
 class HostBlockTables:

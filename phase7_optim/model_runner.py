@@ -41,11 +41,11 @@ sampling pass that draws row by row.
 import numpy as np
 import torch
 
-from .attention import PAD_SLOT_ID
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .cuda_graph import DecodeGraphs, decode_buckets
 from .input_batch import HostBlockTables, PreparedStep, StepInputs, send_step
+from .kernels import PAD_SLOT_ID  # Triton-free: the kernels load on first use
 from .kv_cache import KVCache, copy_blocks
 from .kv_cache_config import KVCacheConfig
 from .model import Qwen3ForCausalLM

@@ -10,13 +10,13 @@ block_id * block_size + offset, so the model writes through a flat `slot_mapping
 
 Invariant: slot s lives at [s // block_size, s % block_size].
 
-Phase 7: the cache also carries the attention backend that writes and reads it (attention.py),
-chosen once from its device: the kernels on CUDA, the torch path elsewhere.
+Phase 7: the cache also carries the attention backend that writes and reads it
+(attention_backend.py), chosen once from its device: the kernels on CUDA, the torch path elsewhere.
 """
 
 import torch
 
-from .attention import AttentionBackend, select_attention_backend
+from .attention_backend import AttentionBackend, select_attention_backend
 
 
 class KVCache:

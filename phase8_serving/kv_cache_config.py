@@ -37,9 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import PAD_SLOT_ID, ForwardBatch
+from .attention import ForwardBatch
 from .config import MAX_KV_SLOTS, EngineConfig
 from .distributed import min_over_ranks
+from .kernels import PAD_SLOT_ID  # Triton-free: the kernels load on first use
 from .kv_cache import KVCache
 from .model import ModelConfig, Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, is_hybrid

@@ -164,8 +164,8 @@ def test_importing_a_phase_only_defines_things():
 # for type checking. That is why tensor parallelism is two files: distributed.py (the collectives
 # every layer calls) and worker.py (the processes that drive a model runner).
 LAYERED_PHASES = ("phase7_optim", "phase8_serving")
-LOW_LEVEL = ("distributed", "linear", "embedding", "attention", "norm", "rope", "mlp", "decoder",
-             "model", "kv_cache", "kernels")  # fmt: skip
+LOW_LEVEL = ("distributed", "linear", "embedding", "attention", "attention_backend", "norm", "rope",
+             "mlp", "decoder", "model", "kv_cache", "kernels")  # fmt: skip
 IMPORTS = (ast.Import, ast.ImportFrom)
 HIGH_LEVEL = ("worker", "model_runner", "engine", "scheduler", "async_engine", "api_server", "cli")
 
@@ -208,3 +208,63 @@ def test_the_layering_rule_sees_lazy_and_type_checking_imports(tmp_path):
     assert phase_imports(tmp_path / "kernels" / "k.py", tmp_path) == {"model_runner"}
     assert phase_imports(tmp_path / "linear.py", tmp_path) == {"worker"}
     assert phase_imports(tmp_path / "mlp.py", tmp_path) == {"engine", "scheduler"}
+
+
+# The kernels are a leaf: no module of kernels/ imports a module of its phase outside kernels/,
+# not even inside a function, so the engine's imports of the kernels can never close a cycle (as
+# kernels/kv_store.py's `from ..attention import PAD_SLOT_ID` once did). And the engine imports on
+# a CPU-only install without Triton: outside kernels/, a module takes nothing but PAD_SLOT_ID from
+# kernels/ at its top (the package defines it, and imports its kernels, Triton with them, only
+# when one of their names is first used).
+KERNELS_ALONE = """
+import importlib, pkgutil, sys, types
+for name in {phases!r}:
+    phase = types.ModuleType(name)  # the package without its __init__, which imports the engine
+    phase.__path__ = [name]
+    sys.modules[name] = phase
+    kernels = importlib.import_module(name + ".kernels")
+    for info in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(kernels.__name__ + "." + info.name)
+    engine = [m for m in sys.modules if m.startswith(name + ".") and m.split(".")[1] != "kernels"]
+    assert not engine, f"importing {{name}}.kernels imports {{sorted(engine)}}"
+"""
+WITHOUT_TRITON = """
+import importlib, pkgutil, sys
+sys.modules["triton"] = None  # as on a CPU-only install: `import triton` raises ImportError
+for name in {phases!r}:
+    phase = importlib.import_module(name)
+    for info in pkgutil.iter_modules(phase.__path__):
+        importlib.import_module(name + "." + info.name)
+    kernels = importlib.import_module(name + ".kernels")
+    assert kernels.PAD_SLOT_ID == -1
+    try:
+        kernels.store_kvcache
+    except ImportError:
+        pass  # the block works: a kernel needs Triton
+    else:
+        raise AssertionError("Triton was not blocked")
+"""
+
+
+def run_python(code: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("phase", LAYERED_PHASES)
+def test_the_kernels_import_nothing_of_the_engine(phase):
+    phase_dir = ROOT / phase
+    for path in sorted((phase_dir / "kernels").rglob("*.py")):
+        engine = sorted(phase_imports(path, phase_dir) - {"kernels"})
+        assert not engine, f"{path.relative_to(ROOT)} (kernels/, a leaf) imports {engine}"
+
+
+def test_the_kernels_load_without_the_engine():
+    pytest.importorskip("triton", reason="the kernels' modules need triton (pip install triton)")
+    run_python(KERNELS_ALONE.format(phases=LAYERED_PHASES))
+
+
+def test_the_engine_imports_without_triton():
+    run_python(WITHOUT_TRITON.format(phases=LAYERED_PHASES))

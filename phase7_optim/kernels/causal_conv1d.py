@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_store import PAD_SLOT_ID
+from . import PAD_SLOT_ID
 from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 BLOCK_C = 128  # channels per program: 6144 channels (Qwen3.5-0.8B) -> 48 channel blocks

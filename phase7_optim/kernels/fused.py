@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_store import PAD_SLOT_ID
+from . import PAD_SLOT_ID
 from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 SILU_BLOCK = 1024  # columns of SiLU-and-multiply per program

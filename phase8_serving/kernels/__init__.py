@@ -12,36 +12,49 @@ with its state (causal_conv1d.py), the gated delta rule's decode step and chunke
 
 Cache layout (phase 5): per layer, K and V caches of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`; logical position p of a sequence lives at slot
-`block_table[p // block_size] * block_size + p % block_size`. Importing defines things only; Triton
-compiles each kernel on its first call.
+`block_table[p // block_size] * block_size + p % block_size`.
+
+This package is a leaf: it imports nothing of the engine, which imports it. `PAD_SLOT_ID`, the
+one value both sides share, is defined here, and importing the package needs no Triton: each name
+below is imported from its module (Triton with it) on first use (a module `__getattr__`, PEP 562).
+So an engine module takes `PAD_SLOT_ID` from here at its top, and a kernel only inside the
+function that calls it: CPU-only installs may lack Triton. Triton compiles each kernel on its
+first call.
 """
 
-from .causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from .flash_prefill import flash_attn_varlen_paged
-from .gated_delta import gated_delta_rule_decode, gated_delta_rule_prefill
-from .gated_norm import gated_rms_norm
-from .kv_store import PAD_SLOT_ID, store_kvcache
-from .paged_decode import default_decode_config, paged_decode_attention
-from .reference import (
-    gather_kv,
-    paged_decode_attention_ref,
-    store_kvcache_ref,
-    varlen_paged_attention_ref,
-)
+import importlib
+import typing
 
-__all__ = [
-    "PAD_SLOT_ID",
-    "causal_conv1d_update",
-    "causal_conv1d_varlen",
-    "default_decode_config",
-    "flash_attn_varlen_paged",
-    "gated_delta_rule_decode",
-    "gated_delta_rule_prefill",
-    "gated_rms_norm",
-    "gather_kv",
-    "paged_decode_attention",
-    "paged_decode_attention_ref",
-    "store_kvcache",
-    "store_kvcache_ref",
-    "varlen_paged_attention_ref",
-]
+# A slot_mapping (or state slot) entry that names no slot: a padded row, used only to fill a CUDA
+# graph's fixed batch. Every kernel that takes slots skips it: nothing is written or read for it.
+PAD_SLOT_ID = -1
+
+# public name -> the module of this package that defines it
+_EXPORTS = {
+    "causal_conv1d_update": "causal_conv1d",
+    "causal_conv1d_varlen": "causal_conv1d",
+    "default_decode_config": "paged_decode",
+    "flash_attn_varlen_paged": "flash_prefill",
+    "gated_delta_rule_decode": "gated_delta",
+    "gated_delta_rule_prefill": "gated_delta",
+    "gated_rms_norm": "gated_norm",
+    "gather_kv": "reference",
+    "paged_decode_attention": "paged_decode",
+    "paged_decode_attention_ref": "reference",
+    "store_kvcache": "kv_store",
+    "store_kvcache_ref": "reference",
+    "varlen_paged_attention_ref": "reference",
+}
+__all__ = ["PAD_SLOT_ID", *_EXPORTS]
+
+
+def __getattr__(name: str) -> typing.Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later look-ups (the backends', once per layer) skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -32,7 +32,7 @@ Invariants:
   Rows may be strided (views into one projection output); the last dim is contiguous;
 - H_v is a multiple of H_k; value head h reads key head h // (H_v / H_k);
 - recurrent_state (num_slots, H_v, d_k, d_v) is fp32 and changes only at the slots named in
-  `state_slots`, whose valid entries are distinct; PAD_SLOT_ID (kernels/kv_store.py) touches no
+  `state_slots`, whose valid entries are distinct; PAD_SLOT_ID (kernels/__init__.py) touches no
   state: a decode row so is skipped whole (its output is don't-care), a prefill sequence so starts
   from a zero state and writes none back;
 - o comes out in v's dtype; the state, gates and the triangular solve stay fp32, matmul operands
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_store import PAD_SLOT_ID
+from . import PAD_SLOT_ID
 from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 L2_NORM_EPS = tl.constexpr(1e-6)  # inside the rsqrt, as gated_delta.py's `l2_normalize`

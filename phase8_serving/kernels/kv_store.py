@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import PAD_SLOT_ID  # the engine's padding: nothing is written for it
+from . import PAD_SLOT_ID  # a padded row (kernels/__init__.py): nothing is written for it
 
 
 @triton.jit

@@ -17,7 +17,7 @@ These functions loop over sequences in Python and compute in fp32; never call th
 
 import torch
 
-from .kv_store import PAD_SLOT_ID
+from . import PAD_SLOT_ID
 
 
 def store_kvcache_ref(

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from phase7_optim import LLM, SamplingParams
-from phase7_optim.attention import PAD_SLOT_ID, TorchAttention
+from phase7_optim.attention_backend import TorchAttention
 from phase7_optim.cuda_graph import bucket_for, decode_buckets
+from phase7_optim.kernels import PAD_SLOT_ID
 
 from .conftest import QWEN3_VOCAB_SIZE
 
@@ -32,7 +33,7 @@ def tokens_of(outputs) -> list[list[int]]:
 
 def with_kernels(llm: LLM) -> LLM:
     """Routes attention through the Triton kernels (the interpreter runs them on CPU)."""
-    from phase7_optim.attention import TritonAttention
+    from phase7_optim.attention_backend import TritonAttention
 
     llm.engine.runner.kv_cache.attention_backend = TritonAttention()
     return llm

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from phase7_optim import LLM, SamplingParams
-from phase7_optim.attention import ForwardBatch, TorchAttention
+from phase7_optim.attention import ForwardBatch
+from phase7_optim.attention_backend import TorchAttention
 from phase7_optim.kv_cache import KVCache
 from phase7_optim.loader import load_model
 from tests import assets

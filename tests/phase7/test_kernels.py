@@ -268,7 +268,8 @@ def test_a_mixed_step_sends_its_leading_decodes_to_the_decode_kernel(monkeypatch
     exactly the leading decodes, the prefill kernel the rest, and together they equal the
     reference, as with every sequence through the prefill kernel (num_decodes 0)."""
     from phase7_optim import kernels
-    from phase7_optim.attention import ForwardBatch, TritonAttention
+    from phase7_optim.attention import ForwardBatch
+    from phase7_optim.attention_backend import TritonAttention
     from phase7_optim.config import KernelConfig
 
     q_lens, contexts = [1, 1, 1, 7, 1, 12], [40, 0, 17, 20, 9, 0]
@@ -299,7 +300,8 @@ def test_tuned_decode_attention_starts_the_longest_contexts_first(monkeypatch):
     (split, head, rank) grid still gives every sequence its own output (the reference's);
     untuned, batch order."""
     from phase7_optim import kernels
-    from phase7_optim.attention import ForwardBatch, TritonAttention
+    from phase7_optim.attention import ForwardBatch
+    from phase7_optim.attention_backend import TritonAttention
     from phase7_optim.config import KernelConfig
 
     contexts = [40, 3, 17, 0, 29]

@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="the phase 7 kernels need triton (pip install triton)")
 
-from phase7_optim.attention import ForwardBatch, TorchAttention, TritonAttention  # noqa: E402
+from phase7_optim.attention import ForwardBatch  # noqa: E402
+from phase7_optim.attention_backend import TorchAttention, TritonAttention  # noqa: E402
 from phase7_optim.config import EngineConfig, KernelConfig  # noqa: E402
 from phase7_optim.distributed import TensorParallel  # noqa: E402
 from phase7_optim.kernels.gemv import GemvConfig, counters_for, gemv, gemv_config_for  # noqa: E402

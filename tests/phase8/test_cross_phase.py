@@ -83,7 +83,7 @@ def test_mixed_steps_count_the_same_leading_decodes_as_phase7(spread_dir, monkey
     prompt chunk."""
     seen = {}
     for module in (phase7_optim, phase8_serving):
-        backend = module.attention.TorchAttention
+        backend = module.attention_backend.TorchAttention
         attend, counts = backend.attend, seen.setdefault(module.__name__, [])
 
         def spy(self, q, k_cache, v_cache, batch, kernels, attend=attend, counts=counts):
