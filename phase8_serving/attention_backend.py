@@ -24,14 +24,21 @@ import torch
 
 from .attention import ForwardBatch, context_attention
 from .config import DEFAULT_KERNELS, KernelConfig
+from .kernels import PAD_SLOT_ID
 
 
 class TorchAttention:
-    """The readable path (CPU, and the oracle on a GPU): phase 6's store and context_attention."""
+    """The readable path (CPU, and the oracle on a GPU): phase 6's store, which now skips padded
+    rows, and context_attention."""
 
     def store(self, k, v, k_cache, v_cache, batch: ForwardBatch) -> None:
-        k_cache.flatten(0, 1)[batch.slot_mapping] = k  # (num_blocks * block_size, H_kv, D) view
-        v_cache.flatten(0, 1)[batch.slot_mapping] = v
+        slots = batch.slot_mapping
+        padded = slots == PAD_SLOT_ID  # such rows write nowhere (-1 would index the last slot)
+        if padded.any():  # a host sync, and a copy: this path is not captured in a CUDA graph
+            keep = ~padded
+            slots, k, v = slots[keep], k[keep], v[keep]
+        k_cache.flatten(0, 1)[slots] = k  # (num_blocks * block_size, H_kv, D) view
+        v_cache.flatten(0, 1)[slots] = v
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         return context_attention(q, k_cache, v_cache, batch)

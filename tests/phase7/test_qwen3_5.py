@@ -179,15 +179,19 @@ def test_gated_attention_kernels_equal_its_torch_ops(fuse_store, qwen3_5_dir):
     torch.testing.assert_close(kernel_k, k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_v, v, atol=1e-5, rtol=1e-5)  # the GEMV rounds its own way
 
-    # A row with slot PAD_SLOT_ID (a CUDA graph's padding) writes neither cache.
-    padded = dataclasses.replace(batch, slot_mapping=i32([0, 1, 2, 12, PAD_SLOT_ID]))
+    # A row with slot PAD_SLOT_ID (a CUDA graph's padding) writes neither cache: every slot but
+    # the four written keeps its junk (-1 must not index the last slot, on either store path).
+    written = [0, 1, 2, 12]
+    padded = dataclasses.replace(batch, slot_mapping=i32([*written, PAD_SLOT_ID]))
     torch.manual_seed(4)
     kv = KVCache(1, 4, block_size, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
     kv.k[0].normal_(), kv.v[0].normal_()
-    junk = kv.k[0][3, 1].clone(), kv.v[0][3, 1].clone()  # slot 13
+    junk = kv.k[0].flatten(0, 1).clone(), kv.v[0].flatten(0, 1).clone()
     with torch.inference_mode():
         kernel_attn(x, positions, padded, kv)
-    assert torch.equal(kv.k[0][3, 1], junk[0]) and torch.equal(kv.v[0][3, 1], junk[1])
+    untouched = [slot for slot in range(4 * block_size) if slot not in written]
+    assert torch.equal(kv.k[0].flatten(0, 1)[untouched], junk[0][untouched])
+    assert torch.equal(kv.v[0].flatten(0, 1)[untouched], junk[1][untouched])
 
 
 def test_offset_norm_kernels_equal_the_torch_norm(qwen3_5_dir):
