@@ -28,6 +28,8 @@ import torch.distributed as dist
 HOST = "127.0.0.1"  # all ranks on one machine
 # Every rank must reach the rendezvous in this time (spawning and importing torch take seconds).
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
+# How long a rank leaving the group waits for the others to arrive there too.
+LEAVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,24 @@ def init_process_group(tp: TensorParallel, device: torch.device, port: int) -> N
         world_size=tp.size,
         timeout=RENDEZVOUS_TIMEOUT,
     )
+
+
+def leave_process_group(device: torch.device, in_step: bool = False) -> None:
+    """Every rank's last call. Ranks must leave together: gloo aborts a process ("terminate
+    called without an active exception") when its peer tears the group down while it still reads
+    the last message, so a clean exit meets the others first. gloo's barrier has a timeout (a
+    peer that died must not hang the exit); NCCL's has none, and there every rank's queued work
+    drained on its GPU is enough. `in_step`: this rank left mid-step (an error), so the others
+    will never arrive; go at once."""
+    if not in_step:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            try:
+                dist.monitored_barrier(timeout=LEAVE_TIMEOUT)
+            except RuntimeError:  # a peer died or hung: leave without it, rank 0 reaps it
+                pass
+    dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -13,7 +13,8 @@ rank 0 samples. A worker never sees a sequence, a sampled token, or a scheduler.
   heads), since the block manager on rank 0 hands out block ids valid everywhere: each rank
   sizes its cache from its own memory, and all take the minimum (kv_cache_config.py).
 - Shutdown: rank 0 broadcasts a stop message; each worker frees its runner (CUDA graphs hold NCCL
-  work, so they go first), then leaves the process group; rank 0 joins the processes.
+  work, so they go first), then all ranks meet once more and leave the process group together
+  (`leave_process_group`); rank 0 joins the processes.
 
 Invariants:
 - with `tensor_parallel_size == 1` none of this runs: no process group, no extra process;
@@ -31,7 +32,13 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
-from .distributed import TensorParallel, free_port, init_process_group, rank_device
+from .distributed import (
+    TensorParallel,
+    free_port,
+    init_process_group,
+    leave_process_group,
+    rank_device,
+)
 from .input_batch import receive_step, send_stop
 from .kv_cache_config import determine_kv_cache_config
 from .loader import load_model, read_hf_config
@@ -79,9 +86,7 @@ class TPWorkers:
         CUDA graphs must be gone first (the model runner's `shutdown`)."""
         if dist.is_initialized():
             send_stop(self.device)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the stop is sent before NCCL goes away
-            dist.destroy_process_group()
+            leave_process_group(self.device)  # the workers read the stop before the group goes
         for process in self.processes:
             process.join(JOIN_TIMEOUT_S)
             if process.is_alive():  # a worker stuck in a collective: do not hang rank 0 with it
@@ -127,10 +132,12 @@ def run_worker(tp: TensorParallel, spec: WorkerSpec) -> None:
     kv_cache_config = determine_kv_cache_config(loaded.model, spec.config)  # as rank 0 does
     # never prepares a step: no block manager
     runner = ModelRunner(loaded.model, spec.config, None, kv_cache_config)
+    stopped = False
     try:
         with torch.inference_mode():
             while (step := receive_step(runner.inputs)) is not None:
                 runner.forward(step)  # logits: rank 0 samples
+        stopped = True
     finally:
         runner.shutdown()  # CUDA graphs hold NCCL work: gone before the process group is
-        dist.destroy_process_group()
+        leave_process_group(device, in_step=not stopped)
