@@ -17,6 +17,12 @@ The key range of a tile splits in two, as in the tutorial: keys every row of the
 (no mask), then the diagonal band where the causal mask `key_pos <= query_pos` applies. Both are
 the same `attn_tiles` loop; the mask is a compile-time flag.
 
+Longest first: under the causal mask a query tile's work grows with its position, so the last
+tiles of a long prompt cost the most. The grid runs heads fastest and query tiles from the last
+to the first, so the long programs start in the first waves and short ones fill the tail (a
+scheduler's longest-processing-time-first rule); in launch order, the last tiles of the last
+head would start last and run alone.
+
 Invariants:
 - query row m of sequence i has position seq_len_i - q_len_i + m and sees keys 0 … that position;
   key 0 is visible to every row, so no row's softmax is empty (no NaN).
@@ -60,9 +66,10 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if head_dim > 128:  # Qwen3.5's 256: 128-row tiles of q, k and v overflow shared memory
         return PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
-    # H200 sweep at 4k tokens (benchmarks/results/phase7_kernels.json): best of 7 for both block
-    # sizes, 355 TFLOP/s with block size 256
-    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+    # H100 sweep of one prompt of 1k-32k tokens at block size 16 (2026-12-05): a third pipeline
+    # stage beat the H200 batch sweep's best of 7 (benchmarks/results/phase7_kernels.json: two
+    # stages) at every length, 8-14 % from 4k tokens up
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 # first_seq changes with every mixed step: specialized (on == 1 or % 16), it would compile new
@@ -95,8 +102,8 @@ def _flash_attn_varlen_paged_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest first
     seq = first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -179,7 +186,7 @@ def flash_attn_varlen_paged(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_tokens == 0 or first_seq == num_seqs:
         return out
-    grid = (triton.cdiv(max_query_len, config.block_m), num_heads, num_seqs - first_seq)
+    grid = (num_heads, triton.cdiv(max_query_len, config.block_m), num_seqs - first_seq)
     _flash_attn_varlen_paged_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,
         scale * LOG2_E,

@@ -12,7 +12,8 @@ fp32; when a tile raises the max, rescale what was summed under the old one by e
 before adding the tile's P @ V. The score matrix never leaves the chip.
 
 Invariants:
-- scores are in log2 units: `qk_scale` is the softmax scale times log2(e), so exp2 replaces exp;
+- scores are in log2 units: `qk_scale` (> 0) is the softmax scale times log2(e), so exp2
+  replaces exp; m_i is kept in those units;
 - a key at position p is read from slot `block_table[p // BLOCK_SIZE] * BLOCK_SIZE +
   p % BLOCK_SIZE` of KV head `kv_head`; positions >= hi are never loaded (masked to 0);
 - MASK: scores of keys at positions >= hi or > the row's q_pos become -inf. Without MASK the
@@ -63,12 +64,14 @@ def attn_tiles(
         k = tl.load(
             k_ptrs + kv_head * stride_kch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
         )
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (rows, BLOCK_N), log2 units
+        qk = tl.dot(q, tl.trans(k))  # (rows, BLOCK_N), unscaled
         if MASK:
             visible = in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
+        # the scale goes on the row max (qk_scale > 0: it commutes with max) and into exp2's
+        # argument as one fused multiply-add per score, not a multiply and a subtract
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)  # rescales what was summed under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_cache_ptr + block[:, None] * stride_vcb + in_block[:, None] * stride_vcs

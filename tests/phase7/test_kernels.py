@@ -205,6 +205,29 @@ def test_flash_prefill_uneven_tiles(block_m, block_n):
 
 
 @interpreter
+def test_flash_prefill_starts_the_longest_query_tiles_first(monkeypatch):
+    """The grid runs heads fastest and query tiles last to first (a causal prompt's last tiles
+    cost the most): the launch is (heads, query tiles, sequences) and program 0 of axis 1 takes
+    the last tile. Results cannot show an order, so this reads the launch and the kernel."""
+    import inspect
+
+    from phase7_optim.kernels import flash_prefill
+
+    grids = []
+    kernel = flash_prefill._flash_attn_varlen_paged_kernel
+    launch = type(kernel).__getitem__
+    monkeypatch.setattr(
+        type(kernel), "__getitem__", lambda self, grid: grids.append(grid) or launch(self, grid)
+    )
+    batch = make_paged_batch([37, 8], [21, 0], 4, 2, 32, 8, torch.float32, CPU)
+    check_prefill(batch, PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1))
+    assert grids == [(4, 3, 2)]  # 4 heads, cdiv(37, 16) query tiles, 2 sequences
+    source = inspect.getsource(kernel.fn)
+    assert "start_m = tl.num_programs(1) - 1 - tl.program_id(1)" in source
+    assert "head = tl.program_id(0)" in source
+
+
+@interpreter
 def test_chunked_prefill_through_the_cache_equals_one_shot_prefill():
     """store_kvcache + flash prefill in two chunks gives the rows of a single whole prefill."""
     torch.manual_seed(0)
