@@ -16,8 +16,9 @@ Idea: stream W once with every SM pulling, and start pulling early. Two kernels:
   (8-row tiles are allowed, so narrow layers need no K split); from 3 rows, tl.dot on rows
   padded to 16. With `silu_mul` its input is [gate | up] and x = silu(gate) * up is computed as
   it is loaded: the down projection needs no SiLU-and-mul kernel of its own.
-- the K-loop kernel (an LM head's vocabulary, and shapes not swept): [BLOCK_N, BLOCK_K] tiles of
-  W, software-pipelined, accumulated with tl.dot on rows padded to BLOCK_M = 16.
+- the K-loop kernel (3-16 rows of shapes not swept, and K the tile kernel cannot cover in
+  slices of up to 4,096): [BLOCK_N, BLOCK_K] tiles of W, software-pipelined, accumulated with
+  tl.dot on rows padded to BLOCK_M = 16.
 A layer with few output tiles may split K into SPLIT_K ranges so that every SM has work; each
 program writes its fp32 partial sum, and the last of a tile's programs to finish (an atomic
 counter per tile) adds the partials and stores y: one launch, no separate reduce kernel. The
@@ -49,6 +50,8 @@ BLOCK_M = 16  # x's rows, padded, for tl.dot: its smallest M on a GPU (config.MA
 MIN_BLOCK_N = 8  # the multiply-and-sum path's narrowest tile (tl.dot's is 16)
 PROGRAMS_PER_SM = 2  # the split heuristic's aim
 WIDE_N = 32768  # output features from which a layer is an LM head: wider tiles
+MAX_SUM_ROWS = 2  # rows up to which the untuned rule multiplies and sums (tile kernel, no dot)
+MAX_TILE_K = 4096  # the untuned rule's widest slice: [8, 4096] bf16, 64 KB over 4 warps
 
 
 @dataclass(frozen=True)
@@ -99,21 +102,28 @@ TUNED_H200 = {  # (N, K): (1 row, 2 rows, 3-16 rows)
     (1024, 2048): (_tile(8, 2048, 1, 8), _tile(8, 2048, 1, 4), _tile(64, 256, 8, 4, True)),
     (6144, 1024): (_tile(8, 1024, 1, 4), _tile(16, 1024, 1, 4), _tile(32, 512, 2, 4, True)),
     (1024, 3072): (_tile(8, 512, 6, 4), _tile(64, 128, 24, 4), _tile(64, 512, 6, 8, True)),
+    # the LM head (not swept): the K loop measured 93% of copy bandwidth at 1 row; kept until
+    # the untuned tile rule below is measured at this K
+    (151936, 1024): (GemvConfig(64, 128, 1, 4, 4),) * 3,
 }
 H200_SMS = 132
 
 
 def gemv_config_for(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """The sweep's best for a shape it measured (on the H200's 132 SMs); otherwise the K loop
-    with a tile per program narrow enough that the output tiles alone cover the SMs (BLOCK_N 16
-    or 32, 64 for an LM head's vocabulary), and a K split only for layers too narrow for that
-    (~2 per SM). What the sweep found: a layer of a few MB is bound by a kernel's start and its
-    first loads' latency, not by bytes; loading a program's whole slice of W at once, before
-    waiting for the previous kernel (PDL), hides most of it, and a K split costs ~1.5 µs (the
-    partial sums' round trip), so layers with few outputs take 8-row tiles instead."""
+    """The sweep's best for a shape it measured (on the H200's 132 SMs); otherwise, at 1-2 rows,
+    the tile kernel with 8-row slices of up to MAX_TILE_K (`untuned_tile_config`), and else the
+    K loop with a tile per program narrow enough that the output tiles alone cover the SMs
+    (BLOCK_N 16 or 32, 64 for an LM head's vocabulary), and a K split only for layers too narrow
+    for that (~2 per SM). What the sweep found: a layer of a few MB is bound by a kernel's start
+    and its first loads' latency, not by bytes; loading a program's whole slice of W at once,
+    before waiting for the previous kernel (PDL), hides most of it, and a K split costs ~1.5 µs
+    (the partial sums' round trip), so layers with few outputs take 8-row tiles instead."""
     tuned = TUNED_H200.get((n, k)) if num_sms == H200_SMS else None
     if tuned is not None:
         return tuned[min(m, 3) - 1]
+    untuned_tile = untuned_tile_config(m, k)
+    if untuned_tile is not None:
+        return untuned_tile
     if n >= WIDE_N:
         block_n, block_k = 64, 128
     elif triton.cdiv(n, 32) < num_sms <= triton.cdiv(n, 16):
@@ -124,6 +134,23 @@ def gemv_config_for(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     if triton.cdiv(n, block_n) < num_sms:
         split_k = choose_split_k(n, k, block_n, block_k, PROGRAMS_PER_SM * num_sms)
     return GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
+
+
+# Qwen3-8B's layers at 1 row on an H100 (2026-12-05; bf16, W cold in L2, in a CUDA graph), µs per
+# call, cuBLAS / the K loop / 8-row tiles of up to 4,096 on the CUDA cores: qkv (6144, 4096) 23.6
+# / 23.0 / 20.5, o_proj (4096, 4096) 17.8 / 16.1 / 14.6, gate_up (24576, 4096) 78.5 / 76.0 / 72.1,
+# down (4096, 12288) 43.3 / 42.9 / 41.5 (split 3), lm_head (151936, 4096) 440.7 / 413.4 / 398.5.
+# 16-row slices of 2,048 were slower everywhere, by a hair on down (41.8, split 6). Measured at 1
+# row; 2 rows take the same kind of config, as they do in the Qwen3-0.6B sweep above.
+def untuned_tile_config(m: int, k: int) -> GemvConfig | None:
+    """The tile kernel for 1-2 rows of a shape not swept: 8-row slices of W, the whole row up to
+    MAX_TILE_K and K split into MAX_TILE_K slices beyond; None where that cannot cover K (a slice
+    is a power of two, and K no multiple of MAX_TILE_K above it): the K loop's shapes."""
+    block_k = min(k, MAX_TILE_K)
+    whole_slices = k % block_k == 0 and block_k == triton.next_power_of_2(block_k)
+    if m > MAX_SUM_ROWS or block_k < MIN_BLOCK_N or not whole_slices:
+        return None
+    return _tile(MIN_BLOCK_N, block_k, k // block_k, 4)
 
 
 def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:

@@ -77,7 +77,27 @@ def test_gemv_configs_are_the_h200_sweeps_best_on_qwen3_0_6b():
         config = gemv_config_for(m, n, k, num_sms=132)
         assert (config.block_n, config.block_k, config.split_k, config.dot) == expected, (m, n, k)
         assert config.tile == (n < 32768) and config.pdl == config.tile
-    assert not gemv_config_for(1, 4096, 1024, num_sms=114).tile  # another GPU: the heuristic
+    # another GPU: 1-2 rows take the untuned tile rule, 3+ the K loop
+    untuned = GemvConfig(8, 1024, 1, 4, 1, tile=True, dot=False, pdl=True)
+    assert gemv_config_for(1, 4096, 1024, num_sms=114) == untuned
+    assert not gemv_config_for(3, 4096, 1024, num_sms=114).tile
+
+
+def test_untuned_shapes_at_one_or_two_rows_take_8_row_slices_of_up_to_4096():
+    """Qwen3-8B's layers (not swept): at 1-2 rows, the tile kernel with whole rows of K up to
+    4,096 and K split into slices of 4,096 beyond (the H100 probe's best); from 3 rows, or where
+    such slices cannot cover K, the K loop."""
+
+    def tile(block_k: int, split_k: int) -> GemvConfig:
+        return GemvConfig(8, block_k, split_k, 4, 1, tile=True, dot=False, pdl=True)
+
+    assert gemv_config_for(1, 6144, 4096, num_sms=132) == tile(4096, 1)  # qkv_proj
+    assert gemv_config_for(1, 4096, 12288, num_sms=132) == tile(4096, 3)  # down_proj
+    assert gemv_config_for(2, 151936, 4096, num_sms=132) == tile(4096, 1)  # lm_head
+    assert gemv_config_for(1, 4096, 1536, num_sms=132).dot  # K no power of two: the K loop
+    assert gemv_config_for(1, 4096, 6144, num_sms=132).dot  # K no multiple of 4,096
+    loop = gemv_config_for(3, 6144, 4096, num_sms=132)
+    assert not loop.tile and (loop.block_n, loop.block_k, loop.split_k) == (32, 128, 1)
 
 
 def test_tuned_decode_splits_at_ws_mix():
@@ -135,6 +155,25 @@ def test_gemv_folds_silu_and_mul_into_its_load(config):
     y = gemv(gate_up, weight, counters_for(40, gate_up.device), config, silu_mul=True)
     expected = gemv(silu_and_mul(gate_up), weight, counters_for(40, gate_up.device), config)
     torch.testing.assert_close(y, expected, atol=1e-3, rtol=1e-3)
+
+
+@interpreter
+@pytest.mark.parametrize("m, k", [(1, 4096), (2, 3 * 4096)])
+def test_untuned_tile_config_folds_silu_and_mul_across_its_k_split(m, k):
+    """The rule's config as Qwen3-8B's down projection runs it (K = 12,288 in 3 slices of 4,096,
+    each program reading gate and up K apart), and unsplit at K = 4,096: silu(gate) * up @ W^T
+    in half precision (fp32's 1e-5 is below the noise of summing 4,096 products in any order)."""
+    dtype = torch.float16
+    config = gemv_config_for(m, 16, k, num_sms=132)
+    assert config.tile and not config.dot and config.split_k == k // 4096
+    torch.manual_seed(5)
+    gate_up, weight = torch.randn(m, 2 * k).to(dtype), torch.randn(16, k).to(dtype)
+    counters = counters_for(16, gate_up.device)
+    y = gemv(gate_up, weight, counters, config, silu_mul=True)
+    gate, up = gate_up.float().chunk(2, -1)
+    x = (torch.nn.functional.silu(gate) * up).to(dtype).float()  # silu_and_mul's rounding
+    torch.testing.assert_close(y, (x @ weight.float().T).to(dtype), **TOLERANCES[dtype])
+    assert not counters.any()
 
 
 @interpreter
