@@ -16,9 +16,9 @@ Idea: stream W once with every SM pulling, and start pulling early. Two kernels:
   (8-row tiles are allowed, so narrow layers need no K split); from 3 rows, tl.dot on rows
   padded to 16. With `silu_mul` its input is [gate | up] and x = silu(gate) * up is computed as
   it is loaded: the down projection needs no SiLU-and-mul kernel of its own.
-- the K-loop kernel (3-16 rows of shapes not swept, and K the tile kernel cannot cover in
-  slices of up to 4,096): [BLOCK_N, BLOCK_K] tiles of W, software-pipelined, accumulated with
-  tl.dot on rows padded to BLOCK_M = 16.
+- the K-loop kernel (shapes not swept, but for 1-2 rows of a K in 4,096-wide slices): [BLOCK_N,
+  BLOCK_K] tiles of W, software-pipelined, accumulated with tl.dot on rows padded to
+  BLOCK_M = 16.
 A layer with few output tiles may split K into SPLIT_K ranges so that every SM has work; each
 program writes its fp32 partial sum, and the last of a tile's programs to finish (an atomic
 counter per tile) adds the partials and stores y: one launch, no separate reduce kernel. The
@@ -102,16 +102,13 @@ TUNED_H200 = {  # (N, K): (1 row, 2 rows, 3-16 rows)
     (1024, 2048): (_tile(8, 2048, 1, 8), _tile(8, 2048, 1, 4), _tile(64, 256, 8, 4, True)),
     (6144, 1024): (_tile(8, 1024, 1, 4), _tile(16, 1024, 1, 4), _tile(32, 512, 2, 4, True)),
     (1024, 3072): (_tile(8, 512, 6, 4), _tile(64, 128, 24, 4), _tile(64, 512, 6, 8, True)),
-    # the LM head (not swept): the K loop measured 93% of copy bandwidth at 1 row; kept until
-    # the untuned tile rule below is measured at this K
-    (151936, 1024): (GemvConfig(64, 128, 1, 4, 4),) * 3,
 }
 H200_SMS = 132
 
 
 def gemv_config_for(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """The sweep's best for a shape it measured (on the H200's 132 SMs); otherwise, at 1-2 rows,
-    the tile kernel with 8-row slices of up to MAX_TILE_K (`untuned_tile_config`), and else the
+    """The sweep's best for a shape it measured (on the H200's 132 SMs); otherwise, at 1-2 rows
+    of a K that MAX_TILE_K divides, the tile kernel's 8-row slices (`untuned_tile_config`), else the
     K loop with a tile per program narrow enough that the output tiles alone cover the SMs
     (BLOCK_N 16 or 32, 64 for an LM head's vocabulary), and a K split only for layers too narrow
     for that (~2 per SM). What the sweep found: a layer of a few MB is bound by a kernel's start
@@ -143,14 +140,13 @@ def gemv_config_for(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
 # 16-row slices of 2,048 were slower everywhere, by a hair on down (41.8, split 6). Measured at 1
 # row; 2 rows take the same kind of config, as they do in the Qwen3-0.6B sweep above.
 def untuned_tile_config(m: int, k: int) -> GemvConfig | None:
-    """The tile kernel for 1-2 rows of a shape not swept: 8-row slices of W, the whole row up to
-    MAX_TILE_K and K split into MAX_TILE_K slices beyond; None where that cannot cover K (a slice
-    is a power of two, and K no multiple of MAX_TILE_K above it): the K loop's shapes."""
-    block_k = min(k, MAX_TILE_K)
-    whole_slices = k % block_k == 0 and block_k == triton.next_power_of_2(block_k)
-    if m > MAX_SUM_ROWS or block_k < MIN_BLOCK_N or not whole_slices:
+    """The tile kernel for 1-2 rows of a shape not swept whose K is a multiple of MAX_TILE_K
+    (the K measured above): 8-row slices of W, K split into MAX_TILE_K-wide slices. None for
+    other shapes (narrower K, as Qwen3.5's or an LM head over 1,024 features, was not measured
+    this way): the K loop."""
+    if m > MAX_SUM_ROWS or k % MAX_TILE_K != 0:
         return None
-    return _tile(MIN_BLOCK_N, block_k, k // block_k, 4)
+    return _tile(MIN_BLOCK_N, MAX_TILE_K, k // MAX_TILE_K, 4)
 
 
 def choose_split_k(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:

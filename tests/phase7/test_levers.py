@@ -77,16 +77,13 @@ def test_gemv_configs_are_the_h200_sweeps_best_on_qwen3_0_6b():
         config = gemv_config_for(m, n, k, num_sms=132)
         assert (config.block_n, config.block_k, config.split_k, config.dot) == expected, (m, n, k)
         assert config.tile == (n < 32768) and config.pdl == config.tile
-    # another GPU: 1-2 rows take the untuned tile rule, 3+ the K loop
-    untuned = GemvConfig(8, 1024, 1, 4, 1, tile=True, dot=False, pdl=True)
-    assert gemv_config_for(1, 4096, 1024, num_sms=114) == untuned
-    assert not gemv_config_for(3, 4096, 1024, num_sms=114).tile
+    assert not gemv_config_for(1, 4096, 1024, num_sms=114).tile  # another GPU: the heuristic
 
 
-def test_untuned_shapes_at_one_or_two_rows_take_8_row_slices_of_up_to_4096():
-    """Qwen3-8B's layers (not swept): at 1-2 rows, the tile kernel with whole rows of K up to
-    4,096 and K split into slices of 4,096 beyond (the H100 probe's best); from 3 rows, or where
-    such slices cannot cover K, the K loop."""
+def test_untuned_shapes_at_one_or_two_rows_take_8_row_slices_of_4096():
+    """Qwen3-8B's layers (not swept): at 1-2 rows, the tile kernel with K in slices of 4,096
+    (the H100 probe's best); from 3 rows, or where K is no multiple of 4,096 (not measured so),
+    the K loop."""
 
     def tile(block_k: int, split_k: int) -> GemvConfig:
         return GemvConfig(8, block_k, split_k, 4, 1, tile=True, dot=False, pdl=True)
@@ -94,8 +91,8 @@ def test_untuned_shapes_at_one_or_two_rows_take_8_row_slices_of_up_to_4096():
     assert gemv_config_for(1, 6144, 4096, num_sms=132) == tile(4096, 1)  # qkv_proj
     assert gemv_config_for(1, 4096, 12288, num_sms=132) == tile(4096, 3)  # down_proj
     assert gemv_config_for(2, 151936, 4096, num_sms=132) == tile(4096, 1)  # lm_head
-    assert gemv_config_for(1, 4096, 1536, num_sms=132).dot  # K no power of two: the K loop
     assert gemv_config_for(1, 4096, 6144, num_sms=132).dot  # K no multiple of 4,096
+    assert gemv_config_for(1, 248320, 1024, num_sms=132).dot  # Qwen3.5's LM head: as before
     loop = gemv_config_for(3, 6144, 4096, num_sms=132)
     assert not loop.tile and (loop.block_n, loop.block_k, loop.split_k) == (32, 128, 1)
 
