@@ -16,7 +16,9 @@ the time). Each length is run once untimed, then timed REPEATS times: best wall 
 
 Beside it, the attention kernels alone at each length (causal, one sequence, 16 query and 8 KV
 heads of 128, bf16, L2 flushed, median): our varlen paged prefill at block size 16 with the
-default config, against torch SDPA with the backend it picks itself (what transformers calls).
+default config, against torch SDPA with the backend it picks itself (what transformers calls);
+and ours with each launch lever off in turn (`LEVERS`: two pipeline stages instead of three,
+query tiles in launch order instead of longest first).
 
 Goal (issue 26): phase 7 >= transformers at every length.
 
@@ -25,6 +27,7 @@ Writes phase7_prefill.json into the --out directory.
 """
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,6 +44,10 @@ from phase7_optim.kernels.flash_prefill import default_prefill_config
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32000]
 QUICK_LENGTHS = [1024, 4096]
 REPEATS = 3
+LEVERS = {  # the kernel's launch levers, each turned off alone in the kernel rows (ablation)
+    "two pipeline stages (the config before 2026-12-05)": {"num_stages": 2},
+    "query tiles in launch order, not longest first": {"longest_first": False},
+}
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
 PROMPT_SEED, PROMPT_ID_RANGE = 0, 10000
 
@@ -104,11 +111,17 @@ def kernel_row(n: int) -> dict:
     query_start_loc = torch.tensor([0, n], device=dev, dtype=torch.int32)
     seq_lens = torch.tensor([n], device=dev, dtype=torch.int32)
     scale = HEAD_DIM**-0.5
-    ours_ms = do_bench(
-        lambda: flash_attn_varlen_paged(
-            q, k_cache, v_cache, query_start_loc, seq_lens, table, n, scale
+
+    def ours(config):
+        return do_bench(
+            lambda: flash_attn_varlen_paged(
+                q, k_cache, v_cache, query_start_loc, seq_lens, table, n, scale, config
+            )
         )
-    )
+
+    default = default_prefill_config(HEAD_DIM, q.device)
+    ours_ms = ours(default)
+    levers_off = {name: ours(replace(default, **change)) for name, change in LEVERS.items()}
     qs = q.transpose(0, 1)[None]  # [1, H, N, D]
     ks = k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None].contiguous()
     vs = v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None].contiguous()
@@ -123,6 +136,7 @@ def kernel_row(n: int) -> dict:
         "sdpa_ms": sdpa_ms,
         "sdpa_TFLOPs": flops / sdpa_ms / 1e9,
         "ours_over_sdpa": sdpa_ms / ours_ms,
+        "ours_ms_with_one_lever_off": levers_off,
     }
 
 

@@ -21,7 +21,8 @@ Longest first: under the causal mask a query tile's work grows with its position
 tiles of a long prompt cost the most. The grid runs heads fastest and query tiles from the last
 to the first, so the long programs start in the first waves and short ones fill the tail (a
 scheduler's longest-processing-time-first rule); in launch order, the last tiles of the last
-head would start last and run alone.
+head would start last and run alone. `PrefillConfig.longest_first=False` launches in that order
+(the benchmark's ablation).
 
 Invariants:
 - query row m of sequence i has position seq_len_i - q_len_i + m and sees keys 0 … that position;
@@ -52,6 +53,7 @@ class PrefillConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    longest_first: bool = True  # grid (head, query tile last to first); else (tile, head) in order
 
     def __post_init__(self):
         for tile in (self.block_m, self.block_n):
@@ -101,9 +103,14 @@ def _flash_attn_varlen_paged_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    start_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest first
+    if LONGEST_FIRST:  # programs start in grid order: heads fastest, the last query tile first
+        head = tl.program_id(0)
+        start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        start_m = tl.program_id(0)
+        head = tl.program_id(1)
     seq = first_seq + tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -186,7 +193,11 @@ def flash_attn_varlen_paged(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_tokens == 0 or first_seq == num_seqs:
         return out
-    grid = (num_heads, triton.cdiv(max_query_len, config.block_m), num_seqs - first_seq)
+    query_tiles = triton.cdiv(max_query_len, config.block_m)
+    if config.longest_first:
+        grid = (num_heads, query_tiles, num_seqs - first_seq)
+    else:
+        grid = (query_tiles, num_heads, num_seqs - first_seq)
     _flash_attn_varlen_paged_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,
         scale * LOG2_E,
@@ -199,6 +210,7 @@ def flash_attn_varlen_paged(
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
+        LONGEST_FIRST=config.longest_first,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

@@ -220,11 +220,17 @@ def test_flash_prefill_starts_the_longest_query_tiles_first(monkeypatch):
         type(kernel), "__getitem__", lambda self, grid: grids.append(grid) or launch(self, grid)
     )
     batch = make_paged_batch([37, 8], [21, 0], 4, 2, 32, 8, torch.float32, CPU)
-    check_prefill(batch, PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1))
-    assert grids == [(4, 3, 2)]  # 4 heads, cdiv(37, 16) query tiles, 2 sequences
+    config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    assert config.longest_first  # the default
+    check_prefill(batch, config)
+    in_order = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
+                             longest_first=False)  # fmt: skip
+    check_prefill(batch, in_order)  # the ablation's order computes the same
+    assert grids == [(4, 3, 2), (3, 4, 2)]  # 4 heads, cdiv(37, 16) query tiles, 2 sequences
     source = inspect.getsource(kernel.fn)
-    assert "start_m = tl.num_programs(1) - 1 - tl.program_id(1)" in source
-    assert "head = tl.program_id(0)" in source
+    ordered = source.partition("if LONGEST_FIRST:")[2].partition("else:")[0]
+    assert "head = tl.program_id(0)" in ordered
+    assert "start_m = tl.num_programs(1) - 1 - tl.program_id(1)" in ordered
 
 
 @interpreter
