@@ -5,7 +5,10 @@ the process group start clean), with `load_format="dummy"` weights (random, buil
 shard: a 70B-parameter shape needs no checkpoint) in bf16:
 - throughput: a slice of workload W (benchmarks/README.md: nano-vllm's bench.py, seed 0,
   temperature 0.6, ignore_eos), output tok/s including prefill;
-- single stream: one 512-token prompt, 256 new tokens, ms per output token;
+- single stream: one 512-token prompt, 256 new tokens, ms per output token after the first
+  (the prompt's prefill, timed alone, subtracted), against its byte floor: the bytes one decode
+  step reads on a rank (every layer's weights, the LM head, one embedding row, the context's KV)
+  over a device-to-device copy's bandwidth measured in the same process;
 - decode step: B sequences of 16-token prompts decoding 64 tokens together, ms per step;
 - all-reduce share of that decode step: before the engine starts, the same ranks time the
   collectives one decode step of batch B makes (2 all-reduces of (B, hidden) per layer, one for
@@ -76,6 +79,7 @@ QUICK = dict(max_output=16, max_prompt=128, decode_batch=4, decode_steps=8, sing
 RUN_TIMEOUT_S = 240  # a hung run (a deadlocked collective) must not eat the whole GPU lease
 TIMED_OUT = "timed out"
 COLLECTIVE_REPEATS = 20
+COPY_BYTES = 2 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +122,31 @@ def weight_bytes_per_rank(hf: dict, tp: int, dtype_bytes: int = 2) -> int:
     per_layer = h * (q // tp + 2 * kv_rank) + (q // tp) * h + 3 * h * (i // tp) + 2 * h
     tables = (1 if hf["tie_word_embeddings"] else 2) * hf["vocab_size"] // tp * h
     return (layers * per_layer + tables + h) * dtype_bytes
+
+
+def decode_bytes_per_rank(hf: dict, tp: int, context: float, dtype_bytes: int = 2) -> float:
+    """What one decode step of one sequence reads on a rank: the weights, except that an untied
+    embedding table gives one row (the LM head is read whole), and `context` tokens of KV."""
+    embedding = 0 if hf["tie_word_embeddings"] else hf["vocab_size"] // tp * hf["hidden_size"]
+    kv_per_token = kv_block_bytes_per_rank(hf, tp, dtype_bytes) / BLOCK_SIZE
+    weights = weight_bytes_per_rank(hf, tp, dtype_bytes) - embedding * dtype_bytes
+    return weights + context * kv_per_token
+
+
+def copy_bandwidth() -> float | None:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write) on this GPU, now."""
+    if not torch.cuda.is_available():
+        return None
+    from triton.testing import do_bench
+
+    def copy_ms() -> float:
+        src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        return do_bench(lambda: dst.copy_(src))
+
+    ms = copy_ms()
+    torch.cuda.empty_cache()  # its 4 GiB back to the GPU before the KV cache is sized
+    return 2 * COPY_BYTES / (ms * 1e-3)
 
 
 def kv_block_bytes_per_rank(hf: dict, tp: int, dtype_bytes: int = 2) -> int:
@@ -218,6 +247,7 @@ def run_one(run: Run) -> dict:
                              ignore_eos=True, seed=i) for i, r in enumerate(workload)]  # fmt: skip
     batch = q.get("decode_batch", DECODE_BATCH)
     comm_ms = collective_ms(run.tp, hf, batch, not run.enforce_eager)  # the GPUs are idle yet
+    bandwidth = copy_bandwidth()
     blocks = num_kv_blocks(hf, run.tp, device)
     max_seqs = min(MAX_NUM_SEQS, max(run.requests, batch))  # fewer CUDA graphs to capture
     with tempfile.TemporaryDirectory() as tmp:
@@ -237,17 +267,29 @@ def run_one(run: Run) -> dict:
             decode_s, _ = timed_generate(llm, [[7] * DECODE_PROMPT] * batch, decode)
             single_n = q.get("single_tokens", SINGLE_TOKENS)
             single = SamplingParams(temperature=TEMPERATURE, max_tokens=single_n, ignore_eos=True)
-            single_s, _ = timed_generate(llm, [list(range(1, SINGLE_PROMPT + 1))], single)
+            first = SamplingParams(temperature=TEMPERATURE, max_tokens=1, ignore_eos=True)
+            single_prompt = [list(range(1, SINGLE_PROMPT + 1))]
+            prefill_s, _ = timed_generate(llm, single_prompt, first)
+            single_s, _ = timed_generate(llm, single_prompt, single)
         finally:
             llm.shutdown()
     step_ms = 1e3 * decode_s / steps  # prefill of B * 16 tokens included: one step of ~64
+    single_ms = 1e3 * (single_s - prefill_s) / (single_n - 1)
+    mean_context = SINGLE_PROMPT + single_n / 2
+    floor_ms = (
+        1e3 * decode_bytes_per_rank(hf, run.tp, mean_context) / bandwidth if bandwidth else None
+    )
     return {
         **dataclasses.asdict(run),
         "prompt_tokens": sum(len(p) for p in prompts),
         "output_tokens": tokens,
         "seconds": seconds,
         "output_tok_s": tokens / seconds,
-        "single_stream_ms_per_token": 1e3 * single_s / single_n,
+        "single_stream_ms_per_token": single_ms,
+        "single_stream_prefill_ms": 1e3 * prefill_s,
+        "single_stream_floor_ms_per_token": floor_ms,
+        "single_stream_fraction_of_floor": floor_ms / single_ms if floor_ms else None,
+        "copy_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None,
         "decode_batch": batch,
         "decode_step_ms": step_ms,
         "collectives_ms_per_decode_step": comm_ms,
@@ -345,6 +387,7 @@ def run_all(runs: list[Run], timeout_s: int, out: Path, name: str) -> None:
         results.append(r)
         summary = r.get("error", "")[-300:] or (
             f"{r['output_tok_s']:9.0f} tok/s  single {r['single_stream_ms_per_token']:.2f} ms/tok  "
+            f"(floor {r['single_stream_floor_ms_per_token'] or float('nan'):.2f})  "
             f"all-reduce {100 * r['all_reduce_share_of_decode_step']:.0f}% of a "
             f"{r['decode_step_ms']:.1f} ms step  KV blocks/GPU {r['kv_blocks_per_gpu']}  "
             f"GPU MiB {r['gpu_memory_used_mib']}"

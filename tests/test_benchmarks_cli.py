@@ -97,3 +97,23 @@ def test_the_harness_needs_no_phase_8_and_draws_the_same_w_as_mini_vllm_bench():
     assert ours == [(r.prompt_ids, r.max_tokens) for r in bench.workload_w()]
     assert sum(len(p) for p, _ in ours) == 142_827 and sum(m for _, m in ours) == 133_966
     assert harness.W_TEMPERATURE == bench.W_TEMPERATURE
+
+
+def test_tp_single_stream_floor_reads_every_weight_but_the_embedding_table():
+    """benchmarks/phase7_tp's byte floor of a decode step, against transformers' own parameter
+    count of the same config (Qwen3-8B: untied, so the embedding gives one row, not its table)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from benchmarks import phase7_tp
+
+    config = {k: v for k, v in phase7_tp.MODELS["qwen3-8b"].items() if k != "architectures"}
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config))
+    embedding = model.model.embed_tokens.weight
+    read = sum(p.numel() for p in model.parameters()) - embedding.numel() + embedding.shape[1]
+    floor_bytes = phase7_tp.decode_bytes_per_rank(phase7_tp.MODELS["qwen3-8b"], 1, context=0)
+    assert floor_bytes == pytest.approx(2 * read, rel=1e-4)  # bf16; q/k-norm gains left out
+    kv_token = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads of 128, bf16
+    with_context = phase7_tp.decode_bytes_per_rank(phase7_tp.MODELS["qwen3-8b"], 1, context=640)
+    assert with_context - floor_bytes == 640 * kv_token
