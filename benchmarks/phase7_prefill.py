@@ -26,6 +26,7 @@ Run (CUDA machine): python -m benchmarks.phase7_prefill [--quick] [--out DIR]
 Writes phase7_prefill.json into the --out directory.
 """
 
+import gc
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -168,6 +169,7 @@ def main():
         checkpoint = save_checkpoint(Path(tmp), qwen3_tokenizer_dir())
         # transformers first: phase 7 then sizes its KV cache from all the memory it leaves
         theirs, impl = run_transformers(checkpoint, lengths)
+        gc.collect()  # the transformers model, if a reference cycle holds it
         torch.cuda.empty_cache()
         ours = run_phase7(checkpoint, lengths)
     result["baseline"] = f"transformers Qwen3ForCausalLM, attn_implementation={impl}, bf16"
