@@ -70,6 +70,7 @@ SLICE = 64
 KERNEL_LEVERS_OFF = dict(
     fuse_add_rms_norm=False, fuse_rope_kv_store=False, tune_decode_attention=False,
     gemv_max_batch=0, fuse_silu_into_gemv=False, programmatic_launch=False,
+    fold_norm_into_gemv=False,
 )  # fmt: skip
 LEVERS = {  # ablation row: the engine settings of that row (one lever off, or all)
     "all levers": {},
@@ -79,6 +80,7 @@ LEVERS = {  # ablation row: the engine settings of that row (one lever off, or a
     "untuned decode attention": {"tune_decode_attention": False},
     "no GEMV": {"gemv_max_batch": 0},
     "no SiLU-and-mul in the down GEMV": {"fuse_silu_into_gemv": False},
+    "no add + RMSNorm in the QKV and gate_up GEMVs": {"fold_norm_into_gemv": False},
     "no programmatic dependent launch": {"programmatic_launch": False},
     "LM head in no CUDA graph": {"lm_head_graph_max_batch": 0},
     "LM head in every CUDA graph": {"lm_head_graph_max_batch": 256},

@@ -8,7 +8,9 @@ sub-block reads a normalized copy and adds its contribution. Names match Hugging
 Phase 7: every add of a sub-block's output to the stream is followed by a norm, so the add moves
 into the norm (norm.py, vLLM's layout): a layer takes the previous sub-block's output and the
 stream separately and returns its MLP's output and the stream, and the next norm adds them. The
-same sums as `x + f(norm(x))`, in the same order; on CUDA one kernel each instead of two.
+same sums as `x + f(norm(x))`, in the same order; on CUDA one kernel each instead of two, and at
+one or two rows none: each norm names the projection that reads it (`into`), whose GEMV adds and
+normalizes as it loads.
 """
 
 import torch
@@ -57,8 +59,8 @@ class DecoderLayer(nn.Module):
         (this layer's MLP output, the residual stream it is to be added to)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)  # residual += x; h = norm(residual)
+        else:  # residual += x; h = norm(residual), or left to the layer `into` (norm.py)
+            h, residual = self.input_layernorm(x, residual, into=self.self_attn.qkv_proj)
         h = self.self_attn(h, positions, batch, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, into=self.mlp.gate_up_proj)
         return self.mlp(h), residual

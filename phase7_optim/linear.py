@@ -35,6 +35,7 @@ from torch import nn
 
 from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import TensorParallel, all_reduce
+from .norm import PendingNorm
 
 
 @dataclass(frozen=True)
@@ -63,19 +64,20 @@ class LinearKernel:
         self.counters: torch.Tensor | None = None  # made on the first GEMV, on x's device
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False
+        self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, add_norm=None
     ) -> torch.Tensor:
         """x @ W^T; with `silu_mul` (only where `folds_silu_mul` said so) x is [gate | up] and
-        the product is silu(gate) * up @ W^T."""
+        the product is silu(gate) * up @ W^T; with `add_norm` = (residual, gain, eps, stream)
+        (only where `folds_norm` said so) it is RMSNorm(x + residual) @ W^T, and the sum goes to
+        `stream`."""
         if not self.kernels.use_gemv(x):
             return F.linear(x, weight)
         from .kernels.gemv import counters_for, gemv  # here: CPU-only installs may lack Triton
 
         if self.counters is None:
             self.counters = counters_for(weight.shape[0], x.device)
-        return gemv(
-            x, weight, self.counters, silu_mul=silu_mul, pdl=self.kernels.programmatic_launch
-        )
+        pdl = self.kernels.programmatic_launch
+        return gemv(x, weight, self.counters, silu_mul=silu_mul, pdl=pdl, add_norm=add_norm)
 
     def folds_silu_mul(self, gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether this product of `gate_up`'s SiLU-and-mul runs it inside the GEMV's load."""
@@ -86,6 +88,16 @@ class LinearKernel:
         n, k = weight.shape
         config = default_gemv_config(gate_up.shape[0], n, k, gate_up.device)
         return silu_mul_pays(config, gate_up.device)
+
+    def folds_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether this product of RMSNorm(x + residual) runs the add and the norm inside the
+        GEMV's load (kernels/gemv.py: 1-2 rows, each program holding whole rows of x)."""
+        if not (self.kernels.fold_norm_into_gemv and self.kernels.use_gemv(x)):
+            return False
+        from .kernels.gemv import add_norm_fits, default_gemv_config
+
+        n, k = weight.shape
+        return add_norm_fits(default_gemv_config(x.shape[0], n, k, x.device), k)
 
 
 def linear_weight(rows: tuple[int, ...], cols: int) -> nn.Parameter:
@@ -126,7 +138,11 @@ class ColumnParallelLinear(nn.Module):
         dest_start = sum(self.local_sizes[:shard_id])  # stacked after the shards before it
         return WeightShard(full_shape, 0, self.tp.rank * size, size, dest_start)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | PendingNorm") -> torch.Tensor:
+        if isinstance(x, PendingNorm):  # norm(x + residual), left to this GEMV (norm.py)
+            assert x.into is self, "a PendingNorm is for the layer it was made for"
+            add_norm = (x.residual, x.norm.weight, x.norm.eps, x.stream)
+            return self.matmul(x.x, self.weight, add_norm=add_norm)
         return self.matmul(x, self.weight)  # (N, in) -> (N, sum(local_sizes))
 
 

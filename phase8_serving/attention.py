@@ -57,7 +57,7 @@ from torch import nn
 from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import SINGLE_RANK, TensorParallel
 from .linear import QKVParallelLinear, RowParallelLinear
-from .norm import RMSNorm
+from .norm import PendingNorm, RMSNorm
 from .rope import RotaryEmbedding
 
 if TYPE_CHECKING:  # kv_cache.py imports the backends (attention_backend.py), which import this file
@@ -245,19 +245,20 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: "torch.Tensor | PendingNorm",
         positions: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: "KVCache",
     ) -> torch.Tensor:
-        N = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        qkv = self.qkv_proj(x)  # x: a PendingNorm where the GEMV normalizes it (norm.py)
+        N = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_proj.local_sizes, dim=-1)
         q = q.view(N, self.num_heads, self.head_dim)
         k = k.view(N, self.num_kv_heads, self.head_dim)
         v = v.view(N, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
         backend = kv_cache.attention_backend
-        if self.kernels.fuse_rope_kv_store and self.kernels.use_triton(x):
+        if self.kernels.fuse_rope_kv_store and self.kernels.use_triton(qkv):
             q = self.norm_rotate_and_store(q, k, v, positions, k_cache, v_cache, batch)
         else:
             q = norm_and_rotate(q, self.q_norm, self.rotary, positions, self.kernels)  # Qwen3

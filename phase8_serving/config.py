@@ -79,6 +79,8 @@ class KernelConfig:
     tune_decode_attention: bool = True  # decode attention's W-tuned launch (kernels/paged_decode)
     gemv_max_batch: int = 8  # linears of at most this many rows run the GEMV kernel; 0: never
     fuse_silu_into_gemv: bool = True  # the down projection's GEMV computes SiLU-and-mul as it loads
+    # QKV's and gate_up's GEMV compute the residual add + RMSNorm before them as they load x
+    fold_norm_into_gemv: bool = True
     # Programmatic dependent launch (Hopper on, kernels/pdl.py): each Triton kernel of a decode step
     # starts while the kernel before it ends; a GEMV loads its weights before it waits
     programmatic_launch: bool = True
@@ -152,13 +154,15 @@ class EngineConfig:
     tune_decode_attention: bool = True
     gemv_max_batch: int = 8
     fuse_silu_into_gemv: bool = True
+    fold_norm_into_gemv: bool = True
     programmatic_launch: bool = True
 
     @property
     def kernels(self) -> KernelConfig:
         return KernelConfig(
             self.fuse_add_rms_norm, self.fuse_rope_kv_store, self.tune_decode_attention,
-            self.gemv_max_batch, self.fuse_silu_into_gemv, self.programmatic_launch,
+            self.gemv_max_batch, self.fuse_silu_into_gemv, self.fold_norm_into_gemv,
+            self.programmatic_launch,
         )  # fmt: skip
 
     def for_device(self, device_type: str) -> "EngineConfig":

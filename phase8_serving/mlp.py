@@ -18,6 +18,7 @@ from torch import nn
 from .config import DEFAULT_KERNELS, KernelConfig
 from .distributed import TensorParallel
 from .linear import MergedColumnParallelLinear, RowParallelLinear
+from .norm import PendingNorm
 
 
 class MLP(nn.Module):
@@ -34,11 +35,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, kernels)
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (N, 2 * I / size)
+    def forward(self, x: "torch.Tensor | PendingNorm") -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (N, 2 * I / size); x: see norm.PendingNorm
         if self.down_proj.matmul.folds_silu_mul(gate_up, self.down_proj.weight):
             return self.down_proj(gate_up, silu_mul=True)  # no separate kernel (kernels/gemv.py)
-        if self.kernels.use_triton(x):  # one fused kernel instead of three (kernels/fused.py)
+        if self.kernels.use_triton(gate_up):  # one fused kernel instead of three (kernels/fused.py)
             from .kernels.fused import silu_and_mul  # here: CPU-only installs may lack Triton
 
             return self.down_proj(silu_and_mul(gate_up, self.kernels.programmatic_launch))

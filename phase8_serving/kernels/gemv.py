@@ -15,7 +15,11 @@ Idea: stream W once with every SM pulling, and start pulling early. Two kernels:
   finishing, and only then waits for x. At 1-2 rows it multiplies and sums on the CUDA cores
   (8-row tiles are allowed, so narrow layers need no K split); from 3 rows, tl.dot on rows
   padded to 16. With `silu_mul` its input is [gate | up] and x = silu(gate) * up is computed as
-  it is loaded: the down projection needs no SiLU-and-mul kernel of its own.
+  it is loaded: the down projection needs no SiLU-and-mul kernel of its own. With `add_norm` its
+  input is the residual add and RMSNorm before it (norm.py): each program loads x and the
+  residual stream, adds them and normalizes the whole row itself (a few KB from L2, where every
+  program finds them), and the first writes the sum back as the new stream: QKV and gate_up need
+  no fused_add_rms_norm kernel of their own. Only where a program's slice spans all of K.
 - the K-loop kernel (shapes not swept, but for 1-2 rows of a K in 4,096-wide slices): [BLOCK_N,
   BLOCK_K] tiles of W, software-pipelined, accumulated with tl.dot on rows padded to
   BLOCK_M = 16.
@@ -26,10 +30,12 @@ sweep (benchmarks/phase7_gemv.py) found the split's round trip costs ~1.5 µs, s
 avoid it where 8-row tiles give enough programs.
 
 Invariants:
-- x (M, K) (or (M, 2K) with `silu_mul`) with M <= BLOCK_M and a contiguous last dim; W (N, K)
-  contiguous (the checkpoint layout); y (M, N) in x's dtype; fp32 inputs are multiplied in full
-  fp32 (no TF32);
+- x (M, K) (or (M, 2K) with `silu_mul`; with `add_norm`, x and the residual alike) with
+  M <= BLOCK_M and a contiguous last dim; W (N, K) contiguous (the checkpoint layout); y (M, N)
+  in x's dtype; fp32 inputs are multiplied in full fp32 (no TF32);
 - before its `gdc_wait` a kernel loads only W (immutable) and writes nothing (kernels/pdl.py);
+- `add_norm`: the new stream goes to a new tensor, never the residual read: other programs may
+  still be reading the old one while the first writes it;
 - `counters` (int32, one per output tile) are zero between calls: a tile's last program resets
   its own, so one buffer serves every call of a layer and every CUDA graph replay; no two calls
   sharing a buffer run at the same time (one stream);
@@ -85,6 +91,8 @@ class GemvConfig:
 
 def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     if device.type != "cuda":  # the interpreter: few, large programs are quick
+        if m <= MAX_SUM_ROWS:  # what a GPU runs at 1-2 rows: the tile kernel, whole rows of x
+            return _tile(64, triton.next_power_of_2(k), 1, 4)
         return GemvConfig(block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=1)
     return gemv_config_for(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
 
@@ -164,6 +172,12 @@ def silu_mul_pays(config: GemvConfig, device: torch.device) -> bool:
     return device.type != "cuda" or not config.dot
 
 
+def add_norm_fits(config: GemvConfig, k: int) -> bool:
+    """Whether `config` can fold the residual add and RMSNorm into x's load: each program must
+    see whole rows of x (one slice over all of K) and multiply on the CUDA cores (1-2 rows)."""
+    return config.tile and not config.dot and config.split_k == 1 and config.block_k >= k
+
+
 def counters_for(n: int, device: torch.device) -> torch.Tensor:
     """A zeroed split-K counter buffer large enough for any config of an n-feature layer."""
     return torch.zeros(triton.cdiv(n, MIN_BLOCK_N), dtype=torch.int32, device=device)
@@ -179,6 +193,21 @@ def _load_x(ptrs, mask, K, SILU_MUL: tl.constexpr):
         g = gate.to(tl.float32)
         return (g / (1.0 + tl.exp(-g)) * up).to(gate.dtype).to(tl.float32)
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_add_norm(x_row, res_row, res_out_row, norm_w_ptr, offs_k, k_mask, K, eps, write):
+    """norm(x + residual) for one row in fp32, each step rounded as fused.fused_add_rms_norm
+    rounds it (the sum to the dtype, then the normed row); with `write` the sum goes to
+    `res_out_row` (the new residual stream)."""
+    x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+    r = tl.load(res_row + offs_k, mask=k_mask, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+    tl.store(res_out_row + offs_k, h, mask=k_mask & (tl.zeros_like(offs_k) + write != 0))
+    h = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / K + eps)
+    gain = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    return (h * rstd * gain).to(x.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -208,6 +237,7 @@ def _store_or_reduce(acc, y_ptr, partial_ptr, counters_ptr, offs_m, offs_n, M, N
 @triton.jit
 def _gemv_tile_kernel(
     x_ptr, w_ptr, y_ptr, partial_ptr, counters_ptr,
+    res_ptr, res_out_ptr, norm_w_ptr, eps,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr,
@@ -216,6 +246,7 @@ def _gemv_tile_kernel(
     SPLIT_K: tl.constexpr,
     DOT: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    ADD_NORM: tl.constexpr,
     PDL: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -242,7 +273,12 @@ def _gemv_tile_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for m in tl.static_range(BLOCK_M):
             row = tl.minimum(m, M - 1)  # a padded row recomputes the last one, never stored
-            xm = _load_x(x_ptr + row * stride_xm + offs_k, k_mask, K, SILU_MUL)
+            if ADD_NORM:  # the new stream (rows of K, contiguous): the first program writes it
+                xm = _load_add_norm(x_ptr + row * stride_xm, res_ptr + row * K,
+                                    res_out_ptr + row * K, norm_w_ptr, offs_k, k_mask, K, eps,
+                                    ((pid_n == 0) & (m < M)).to(tl.int32))  # fmt: skip
+            else:
+                xm = _load_x(x_ptr + row * stride_xm + offs_k, k_mask, K, SILU_MUL)
             ym = tl.sum(wf * xm[None, :], axis=1)
             acc = tl.where(offs_m[:, None] == m, ym[None, :], acc)
     _store_or_reduce(acc, y_ptr, partial_ptr, counters_ptr, offs_m, offs_n, M, N, stride_ym,
@@ -301,11 +337,15 @@ def gemv(
     config: GemvConfig | None = None,
     silu_mul: bool = False,
     pdl: bool = True,
+    add_norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x (M, K), M <= 16, weight (N, K) -> x @ weight^T (M, N). With `silu_mul`, x is (M, 2K) =
     [gate | up] and the product is silu(gate) * up @ weight^T (fused.silu_and_mul folded into the
-    load). `counters`: `counters_for(N)`, kept by the caller (zero between calls). `pdl=False`
-    never launches with programmatic dependent launch, whatever the config says."""
+    load). With `add_norm` = (residual, gain, eps, stream), the product is of RMSNorm(x + residual)
+    and x + residual is written to `stream` (not `residual`'s memory): fused.fused_add_rms_norm
+    folded into the load, under a config that `add_norm_fits`. `counters`: `counters_for(N)`,
+    kept by the caller (zero between calls). `pdl=False` never launches with programmatic
+    dependent launch, whatever the config says."""
     m, n, k = x.shape[0], *weight.shape
     assert x.shape[1] == (2 * k if silu_mul else k) and weight.dtype == x.dtype and m <= BLOCK_M
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -313,6 +353,16 @@ def gemv(
     tiles = triton.cdiv(n, config.block_n)
     assert counters.dtype == torch.int32 and counters.numel() >= tiles
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if add_norm is not None:
+        residual, gain, eps, stream = add_norm
+        assert not silu_mul and add_norm_fits(config, k), f"no add + norm under {config}, K={k}"
+        assert residual.shape == stream.shape == x.shape and gain.shape == (k,)
+        assert residual.is_contiguous() and stream.is_contiguous()
+        assert residual.dtype == stream.dtype == x.dtype
+        assert stream.data_ptr() != residual.data_ptr(), "never in place: see the invariants"
+    else:
+        residual = stream = gain = y  # unused (ADD_NORM off)
+        eps = 0.0
     if m == 0:
         return y
     split_k = config.split_k
@@ -328,8 +378,12 @@ def gemv(
         assert config.block_k * split_k == k or (split_k == 1 and config.block_k >= k), (
             f"a tile config covers K exactly, or in one masked slice: {config}, K={k}"
         )
-        _gemv_tile_kernel[(tiles, split_k)](*args, DOT=config.dot, **common)
+        _gemv_tile_kernel[(tiles, split_k)](
+            *args[:5], residual, stream, gain, eps, *args[5:],
+            DOT=config.dot, ADD_NORM=add_norm is not None, **common,
+        )  # fmt: skip
     else:
+        assert add_norm is None
         even_k = k % (split_k * config.block_k) == 0
         _gemv_kernel[(tiles, split_k)](*args, EVEN_K=even_k, **common)
     return y

@@ -174,6 +174,31 @@ def test_untuned_tile_config_folds_silu_and_mul_across_its_k_split(m, k):
 
 
 @interpreter
+@pytest.mark.parametrize("m, k", [(1, 96), (2, 64)])  # 96: one masked slice of 128
+def test_gemv_folds_the_residual_add_and_norm_into_its_load(m, k):
+    """With add_norm the product is fused_add_rms_norm's output times W, and the new residual
+    stream is its sum, in a new tensor: the residual read is left as it was (other programs may
+    still be reading it while the first writes the sum)."""
+    from phase7_optim.kernels.fused import fused_add_rms_norm
+    from phase7_optim.kernels.gemv import add_norm_fits, default_gemv_config
+
+    torch.manual_seed(6)
+    x, residual = torch.randn(m, k).half(), torch.randn(m, k).half()
+    gain, weight = torch.rand(k) + 0.5, torch.randn(40, k).half()
+    config = default_gemv_config(m, 40, k, x.device)
+    assert add_norm_fits(config, k)
+    before, stream = residual.clone(), torch.full_like(residual, float("nan"))
+    y = gemv(x, weight, counters_for(40, x.device), config, add_norm=(residual, gain, 1e-6, stream))
+    assert torch.equal(residual, before)
+    normed = fused_add_rms_norm(x, before.clone(), gain, 1e-6)
+    torch.testing.assert_close(stream, x + before, atol=0, rtol=0)
+    expected = gemv(normed, weight, counters_for(40, x.device), config)
+    torch.testing.assert_close(y, expected, atol=1e-3, rtol=1e-3)
+    assert not add_norm_fits(default_gemv_config(3, 40, k, x.device), k)  # 3 rows: tl.dot
+    assert not add_norm_fits(GemvConfig(16, 32, 3, 4, 1, tile=True, dot=False), k)  # K split
+
+
+@interpreter
 def test_gemv_on_tensor_parallel_shards_adds_up_to_the_whole_layer():
     """The slices two ranks hold (QKV: by heads, with its q, k and v pieces; o_proj: by input
     features): each rank's GEMV, concatenated or summed as the collectives would, is the
@@ -238,29 +263,30 @@ BLOCK_SIZE, WIDTH = 4, 4  # 16 positions a sequence: one split, whatever the heu
 SEQ_LENS = [5, 9, 1]
 
 
-def decode_step(model, backend) -> tuple[torch.Tensor, ForwardBatch, tuple]:
-    """One decode step of three sequences over a cache of random (seeded) contents."""
+def decode_step(model, backend, seqs: int = 3) -> tuple[torch.Tensor, ForwardBatch, tuple]:
+    """One decode step of three sequences (or the first `seqs`) over a cache of random (seeded)
+    contents."""
     c = model.config
     torch.manual_seed(2)
     cache = KVCache(c.num_layers, 12, BLOCK_SIZE, c.num_kv_heads, c.head_dim, torch.float32, "cpu",
                     backend)  # fmt: skip
     for layer in range(c.num_layers):
         cache.k[layer].normal_(), cache.v[layer].normal_()
-    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [8, 0, 0, 0]], dtype=torch.int32)
-    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [8, 0, 0, 0]], dtype=torch.int32)[:seqs]
+    seq_lens = torch.tensor(SEQ_LENS[:seqs], dtype=torch.int32)
     positions = seq_lens.long() - 1
-    slots = tables[torch.arange(3), positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    slots = tables[torch.arange(seqs), positions // BLOCK_SIZE] * BLOCK_SIZE
     batch = ForwardBatch(
-        query_start_loc=torch.arange(4, dtype=torch.int32),
+        query_start_loc=torch.arange(seqs + 1, dtype=torch.int32),
         seq_lens=seq_lens,
-        slot_mapping=slots.int(),
+        slot_mapping=(slots + positions % BLOCK_SIZE).int(),
         block_tables=tables,
-        logits_indices=torch.arange(3, dtype=torch.int32),
+        logits_indices=torch.arange(seqs, dtype=torch.int32),
         max_query_len=1,
         max_seq_len=WIDTH * BLOCK_SIZE,
         block_size=BLOCK_SIZE,
     )
-    input_ids = torch.tensor([7, 99, 3])
+    input_ids = torch.tensor([7, 99, 3])[:seqs]
     return cache, batch, (input_ids, positions)
 
 
@@ -275,9 +301,9 @@ def tiny_model(kernels: KernelConfig, qk_norm: bool = True) -> Qwen3ForCausalLM:
     return model
 
 
-def count_launches(kernels: KernelConfig, monkeypatch) -> int:
+def count_launches(kernels: KernelConfig, monkeypatch, seqs: int = 3) -> int:
     model = tiny_model(kernels)
-    cache, batch, (input_ids, positions) = decode_step(model, TritonAttention())
+    cache, batch, (input_ids, positions) = decode_step(model, TritonAttention(), seqs)
     with torch.inference_mode(), KernelCounter(monkeypatch) as counter:
         model(input_ids, positions, batch, cache)  # first call: the GEMV's counters are made
         counter.aten.clear(), counter.triton.clear()
@@ -297,18 +323,33 @@ def test_each_lever_removes_the_launches_it_fuses(monkeypatch):
     assert off(gemv_max_batch=0) == baseline + layers  # a matmul for a GEMV, and SiLU's kernel
     assert off(fuse_silu_into_gemv=False) == baseline + layers  # SiLU-and-mul in down's GEMV
     assert off(programmatic_launch=False) == baseline  # how kernels start, not how many
+    assert off(fold_norm_into_gemv=False) == baseline  # 3 rows: tl.dot, no norm in the GEMV
 
 
 @interpreter
-@pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3, Llama (the fused kernel's norm off)
-def test_decode_step_with_every_lever_equals_the_torch_path(qk_norm):
+@pytest.mark.parametrize("seqs", [1, 2])
+def test_at_one_or_two_rows_the_norms_go_into_the_gemvs(seqs, monkeypatch):
+    """Every norm after a residual add (all but layer 0's first) is computed by the QKV or
+    gate_up GEMV that reads it: one launch fewer each."""
+    count = lambda **lever: count_launches(  # noqa: E731
+        KernelConfig(interpret_on_cpu=True, **lever), monkeypatch, seqs
+    )
+    assert count(fold_norm_into_gemv=False) == count() + 2 * TINY.num_layers - 1
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "qk_norm, seqs",  # Qwen3, Llama (the fused kernel's norm off); at 2 rows the norms in the GEMVs
+    [(True, 3), (False, 3), (True, 2)],
+)
+def test_decode_step_with_every_lever_equals_the_torch_path(qk_norm, seqs):
     results = []
     for kernels, backend in (
         (KernelConfig(interpret_on_cpu=True), TritonAttention()),
         (KernelConfig(), TorchAttention()),
     ):
         model = tiny_model(kernels, qk_norm)
-        cache, batch, (input_ids, positions) = decode_step(model, backend)
+        cache, batch, (input_ids, positions) = decode_step(model, backend, seqs)
         with torch.inference_mode():
             logits = model(input_ids, positions, batch, cache)
         results.append((logits, cache))
@@ -340,3 +381,28 @@ def test_gpu_gemv_in_bf16(m, n, k):
         error = (gemv(x, weight, counters).float() - expected).abs().max()
         assert error <= 2 * cublas_error + 1e-3, f"{error:.2e} vs cuBLAS {cublas_error:.2e}"
     assert not counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n, k", [(4096, 1024), (6144, 1024), (1024, 4096)])  # qkv, gate_up, 8B's
+def test_gpu_gemv_folds_the_add_and_norm_on_every_program(m, n, k):
+    """The H200's configs for QKV and gate_up (and the untuned rule's at K 4,096), hundreds of
+    programs racing: each computes the norm itself, one writes the stream, none reads it back."""
+    from phase7_optim.kernels.fused import fused_add_rms_norm
+    from phase7_optim.kernels.gemv import add_norm_fits, default_gemv_config
+
+    torch.manual_seed(7)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x, residual = torch.randn(m, k, **bf16), torch.randn(m, k, **bf16)
+    gain, weight = torch.rand(k, **bf16) + 0.5, torch.randn(n, k, **bf16) * k**-0.5
+    assert add_norm_fits(default_gemv_config(m, n, k, x.device), k)
+    before = residual.clone()
+    counters = counters_for(n, x.device)
+    for _ in range(3):
+        stream = torch.full_like(residual, float("nan"))
+        y = gemv(x, weight, counters, add_norm=(residual, gain, 1e-6, stream))
+        torch.cuda.synchronize()
+        assert torch.equal(residual, before) and torch.equal(stream, x + before)
+        normed = fused_add_rms_norm(x, before.clone(), gain, 1e-6)
+        torch.testing.assert_close(y, gemv(normed, weight, counters), atol=2e-2, rtol=2e-2)
