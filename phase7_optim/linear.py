@@ -64,7 +64,11 @@ class LinearKernel:
         self.counters: torch.Tensor | None = None  # made on the first GEMV, on x's device
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, add_norm=None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        silu_mul: bool = False,
+        add_norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x @ W^T; with `silu_mul` (only where `folds_silu_mul` said so) x is [gate | up] and
         the product is silu(gate) * up @ W^T; with `add_norm` = (residual, gain, eps, stream)

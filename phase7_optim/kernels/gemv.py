@@ -203,6 +203,7 @@ def _load_add_norm(x_row, res_row, res_out_row, norm_w_ptr, offs_k, k_mask, K, e
     x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
     r = tl.load(res_row + offs_k, mask=k_mask, other=0.0)
     h = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+    # `write` broadcast to a vector first: Triton's interpreter takes no scalar in a mask
     tl.store(res_out_row + offs_k, h, mask=k_mask & (tl.zeros_like(offs_k) + write != 0))
     h = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / K + eps)
