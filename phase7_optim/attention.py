@@ -184,6 +184,7 @@ def context_attention(
     for group in batch.attention_groups:
         s, q_len, _ = group.visible.shape
         k, v = gather(k_cache, group.slots), gather(v_cache, group.slots)  # (s, H_kv, L, D)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache (kv_cache.py) is widened to compute
         q_group = q[group.tokens].view(s, q_len, *q.shape[1:]).transpose(1, 2)  # (s, H, Q, D)
         o = sdpa_gqa(q_group, k, v, group.visible[:, None])
         out[group.tokens] = o.transpose(1, 2).flatten(0, 1)

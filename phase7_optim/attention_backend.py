@@ -24,7 +24,15 @@ import torch
 
 from .attention import ForwardBatch, context_attention
 from .config import DEFAULT_KERNELS, KernelConfig
-from .kernels import PAD_SLOT_ID
+from .kernels import FP8_E4M3_MAX, PAD_SLOT_ID
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache's element type (kv_cache.py): for fp8, saturated first (torch's cast gives
+    NaN past 448, e4m3fn having no inf), then rounded to nearest even."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    return x.to(dtype)
 
 
 class TorchAttention:
@@ -37,8 +45,8 @@ class TorchAttention:
         if padded.any():  # a host sync, and a copy: this path is not captured in a CUDA graph
             keep = ~padded
             slots, k, v = slots[keep], k[keep], v[keep]
-        k_cache.flatten(0, 1)[slots] = k  # (num_blocks * block_size, H_kv, D) view
-        v_cache.flatten(0, 1)[slots] = v
+        k_cache.flatten(0, 1)[slots] = to_cache_dtype(k, k_cache.dtype)  # (slots, H_kv, D) view
+        v_cache.flatten(0, 1)[slots] = to_cache_dtype(v, v_cache.dtype)
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         return context_attention(q, k_cache, v_cache, batch)

@@ -12,11 +12,33 @@ Invariant: slot s lives at [s // block_size, s % block_size].
 
 Phase 7: the cache also carries the attention backend that writes and reads it
 (attention_backend.py), chosen once from its device: the kernels on CUDA, the torch path elsewhere.
+It may hold fp8 instead of the model's dtype (`kv_cache_dtype="fp8"`, vLLM's name): half the bytes,
+so twice the blocks in the same memory, and half the bytes a decode step reads, which is what
+bounds a large batch. Writers saturate to +-448 and round to nearest even (attention_backend.py's
+`to_cache_dtype`, the kernels' `store_cast`); readers widen each tile back to the query's dtype
+and compute as before. There is no scale (vLLM's default without calibrated scales is 1 too):
+e4m3 keeps 3 mantissa bits, a relative error of at most 1/16 per element from 2^-6 to 448, and
+Qwen3's keys (normed per head) and values sit in that range.
 """
 
 import torch
 
 from .attention_backend import AttentionBackend, select_attention_backend
+
+
+def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device) -> torch.dtype:
+    """The element type of the KV cache. fp8 on CUDA needs compute capability 8.9 (Ada, Hopper):
+    older GPUs have no fp8 conversions, and the kernels would fail to compile mid-start-up."""
+    dtype = model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn  # KV_CACHE_DTYPES
+    device = torch.device(device)
+    if dtype == torch.float8_e4m3fn and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
+                f"(fp8 conversions), this one is {capability[0]}.{capability[1]}"
+            )
+    return dtype
 
 
 class KVCache:

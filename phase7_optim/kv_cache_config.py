@@ -41,7 +41,7 @@ from .attention import ForwardBatch
 from .config import MAX_KV_SLOTS, EngineConfig
 from .distributed import min_over_ranks
 from .kernels import PAD_SLOT_ID  # Triton-free: the kernels load on first use
-from .kv_cache import KVCache
+from .kv_cache import KVCache, resolve_cache_dtype
 from .model import ModelConfig, Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, is_hybrid
 from .sampling import SamplingBatch, SamplingParams, sample_batch
@@ -89,11 +89,20 @@ class MemoryProfile:
     other_bytes: int  # everything else in use: the CUDA context, buffers, other processes
 
 
-def kv_block_bytes(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, block_size: int) -> int:
-    c, dtype = model.config, model.lm_head.weight.dtype
+def kv_block_bytes(
+    model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, block_size: int, dtype: torch.dtype
+) -> int:
+    """One block's keys and values, every layer, in the cache's element type `dtype`."""
+    c = model.config
     num_layers = c.num_attention_layers if is_hybrid(c) else c.num_layers
     per_token = 2 * num_layers * model.num_kv_heads_per_rank * c.head_dim * dtype.itemsize
     return block_size * per_token  # 2: keys and values
+
+
+def kv_cache_dtype(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, config: EngineConfig):
+    """The cache's element type: the model's, or fp8 (`config.kv_cache_dtype`, kv_cache.py)."""
+    device = model.lm_head.weight.device
+    return resolve_cache_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype, device)
 
 
 def state_pool_bytes(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, config: EngineConfig) -> int:
@@ -139,7 +148,7 @@ def determine_kv_cache_config(model: Qwen3ForCausalLM, config: EngineConfig) -> 
     """The KV cache for `model` under `config` (its batch sizes resolved: `for_device`). Under
     tensor parallelism every rank calls this at the same point: it runs collectives."""
     device = next(model.parameters()).device
-    block_bytes = kv_block_bytes(model, config.block_size)
+    block_bytes = kv_block_bytes(model, config.block_size, kv_cache_dtype(model, config))
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory_bytes is not None:
@@ -237,7 +246,7 @@ def profile_run(model: Qwen3ForCausalLM, config: EngineConfig) -> None:
     dtype, hybrid = model.lm_head.weight.dtype, is_hybrid(c)
     num_kv_layers = c.num_attention_layers if hybrid else c.num_layers
     kv_cache = KVCache(num_kv_layers, 1, config.block_size, model.num_kv_heads_per_rank,
-                       c.head_dim, dtype, device)  # fmt: skip
+                       c.head_dim, kv_cache_dtype(model, config), device)  # fmt: skip
     caches = (kv_cache,)
     if hybrid:  # one slot for everyone: what they write there is as unread as their keys
         caches += (StatePool(c.state_shape, c.num_deltanet_layers, 1, dtype, device),)

@@ -47,7 +47,7 @@ from .cuda_graph import DecodeGraphs, decode_buckets
 from .input_batch import HostBlockTables, PreparedStep, StepInputs, send_step
 from .kernels import PAD_SLOT_ID  # Triton-free: the kernels load on first use
 from .kv_cache import KVCache, copy_blocks
-from .kv_cache_config import KVCacheConfig
+from .kv_cache_config import KVCacheConfig, kv_cache_dtype
 from .model import Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
 from .sampling import SamplingBatch, sample_batch
@@ -91,13 +91,14 @@ class ModelRunner:
         dtype = model.lm_head.weight.dtype
         hybrid = is_hybrid(c)
         num_kv_layers = c.num_attention_layers if hybrid else c.num_layers
+        cache_dtype = kv_cache_dtype(model, config)  # the model's dtype, or fp8
         self.kv_cache = KVCache(
             num_kv_layers, kv_cache_config.num_blocks, config.block_size,
-            model.num_kv_heads_per_rank, c.head_dim, dtype, self.device,
+            model.num_kv_heads_per_rank, c.head_dim, cache_dtype, self.device,
         )  # fmt: skip
         self.cpu_kv_cache = KVCache(  # where swapped-out sequences' blocks wait
             num_kv_layers, config.num_cpu_kv_blocks, config.block_size,
-            model.num_kv_heads_per_rank, c.head_dim, dtype, "cpu",
+            model.num_kv_heads_per_rank, c.head_dim, cache_dtype, "cpu",
         )  # fmt: skip
         self.state_pool = (
             StatePool(c.state_shape, c.num_deltanet_layers, config.max_num_seqs, dtype, self.device)

@@ -44,6 +44,8 @@ MAX_KV_SLOTS = 2**31 - 1  # slot ids travel to the kernels as int32
 # Tensor parallelism: "auto" reads the checkpoint's safetensors, "dummy" (vLLM's name) random
 # weights of its config.json, built on each rank's shard (loader.py).
 LOAD_FORMATS = ("auto", "dummy")
+# the KV cache's element type (vLLM's names): the model's dtype, or float8_e4m3fn (kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 OPTIONAL_INT = int | None  # a count the engine chooses when it is None
 OPTIONAL_BOOL = bool | None  # a switch the device's defaults set when it is None
 
@@ -141,6 +143,7 @@ class EngineConfig:
     # the KV cache holds if that is less (kv_cache_config.py)
     max_model_len: int | None = None
     load_format: str = "auto"  # LOAD_FORMATS
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "fp8" halves the cache's bytes (kv_cache.py)
     # How num_kv_blocks is sized when unset (vLLM's names): the KV cache takes
     # kv_cache_memory_bytes per rank when set; otherwise on CUDA what is left of the GPU's
     # memory times gpu_memory_utilization after the weights and the largest step, on CPU a fixed
@@ -219,6 +222,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
 
 
 def check_gpu_memory_utilization(value: object) -> None:
@@ -239,7 +247,6 @@ VLLM_UNSUPPORTED = {
     "revision": (None, "pass a local directory, or a hub id at its default revision"),
     "tokenizer_revision": (None, "the tokenizer is always the checkpoint's own"),
     "quantization": (None, "weights load in `dtype`; there are no quantized kernels"),
-    "kv_cache_dtype": ("auto", "the KV cache is kept in the model's dtype"),
     "pipeline_parallel_size": (1, "only tensor parallelism splits a model here"),
     "data_parallel_size": (1, "engines side by side are `mini-vllm serve --data-parallel-size`"),
     "swap_space": (0, "swap preemption is preemption_mode='swap' with num_cpu_kv_blocks blocks"),

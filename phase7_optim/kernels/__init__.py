@@ -14,9 +14,10 @@ Cache layout (phase 5): per layer, K and V caches of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`; logical position p of a sequence lives at slot
 `block_table[p // block_size] * block_size + p % block_size`.
 
-This package is a leaf: it imports nothing of the engine, which imports it. `PAD_SLOT_ID`, the
-one value both sides share, is defined here, and importing the package needs no Triton: each name
-below is imported from its module (Triton with it) on first use (a module `__getattr__`, PEP 562).
+This package is a leaf: it imports nothing of the engine, which imports it. `PAD_SLOT_ID` and
+`FP8_E4M3_MAX`, the values both sides share, are defined here, and importing the package needs no
+Triton: each name below is imported from its module (Triton with it) on first use (a module
+`__getattr__`, PEP 562).
 So an engine module takes `PAD_SLOT_ID` from here at its top, and a kernel only inside the
 function that calls it: CPU-only installs may lack Triton. Triton compiles each kernel on its
 first call.
@@ -28,6 +29,9 @@ import typing
 # A slot_mapping (or state slot) entry that names no slot: a padded row, used only to fill a CUDA
 # graph's fixed batch. Every kernel that takes slots skips it: nothing is written or read for it.
 PAD_SLOT_ID = -1
+# An fp8 KV cache (`kv_cache_dtype="fp8"`) holds float8_e4m3fn: writers saturate to this, its
+# largest finite value (a plain cast would turn anything larger into NaN: e4m3fn has no inf).
+FP8_E4M3_MAX = 448.0
 
 # public name -> the module of this package that defines it
 _EXPORTS = {
@@ -45,7 +49,7 @@ _EXPORTS = {
     "store_kvcache_ref": "reference",
     "varlen_paged_attention_ref": "reference",
 }
-__all__ = ["PAD_SLOT_ID", *_EXPORTS]
+__all__ = ["FP8_E4M3_MAX", "PAD_SLOT_ID", *_EXPORTS]
 
 
 def __getattr__(name: str) -> typing.Any:

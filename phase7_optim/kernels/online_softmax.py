@@ -14,6 +14,7 @@ before adding the tile's P @ V. The score matrix never leaves the chip.
 Invariants:
 - scores are in log2 units: `qk_scale` (> 0) is the softmax scale times log2(e), so exp2
   replaces exp; m_i is kept in those units;
+- the caches hold q's dtype or fp8 (kv_cache.py), widened to q's dtype for both products;
 - a key at position p is read from slot `block_table[p // BLOCK_SIZE] * BLOCK_SIZE +
   p % BLOCK_SIZE` of KV head `kv_head`; positions >= hi are never loaded (masked to 0);
 - MASK: scores of keys at positions >= hi or > the row's q_pos become -inf. Without MASK the
@@ -64,7 +65,8 @@ def attn_tiles(
         k = tl.load(
             k_ptrs + kv_head * stride_kch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
         )
-        qk = tl.dot(q, tl.trans(k))  # (rows, BLOCK_N), unscaled
+        # an fp8 cache's tile is widened to q's dtype here, in registers: HBM moves fp8 bytes
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))  # (rows, BLOCK_N), unscaled
         if MASK:
             visible = in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
@@ -78,6 +80,6 @@ def attn_tiles(
         v = tl.load(
             v_ptrs + kv_head * stride_vch + offs_d[None, :], mask=in_ctx[:, None], other=0.0
         )
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         m_i = m_ij
     return acc, l_i, m_i

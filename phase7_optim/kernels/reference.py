@@ -17,7 +17,7 @@ These functions loop over sequences in Python and compute in fp32; never call th
 
 import torch
 
-from . import PAD_SLOT_ID
+from . import FP8_E4M3_MAX, PAD_SLOT_ID
 
 
 def store_kvcache_ref(
@@ -27,9 +27,12 @@ def store_kvcache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter `k`, `v` `[T, Hkv, D]` to the flat slots in `slot_mapping`, skipping PAD_SLOT_ID."""
+    """Scatter `k`, `v` `[T, Hkv, D]` to the flat slots in `slot_mapping`, skipping PAD_SLOT_ID.
+    An fp8 cache gets the values saturated to +-FP8_E4M3_MAX and rounded to nearest (even)."""
     valid = slot_mapping != PAD_SLOT_ID  # boolean indexing below syncs with the host
     num_kv_heads, head_dim = k_cache.shape[2:]
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k, v = (x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(k_cache.dtype) for x in (k, v))
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping[valid]] = k[valid]
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping[valid]] = v[valid]
 

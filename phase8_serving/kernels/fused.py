@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from . import PAD_SLOT_ID
+from .kv_store import store_cast
 from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 SILU_BLOCK = 1024  # columns of SiLU-and-multiply per program
@@ -201,15 +202,16 @@ def _norm_rope_heads(
         x2 = x2 * rstd[:, None] * _gain(w_ptr + HALF, offs, offs < HALF, OFFSET)[None, :]
         if TAIL:
             x3 = x3 * rstd[:, None] * _gain(w_ptr, t_offs, t_in, OFFSET)[None, :]
-    y1 = x1 * cos[None, :] - x2 * sin[None, :]
-    y2 = x2 * cos[None, :] + x1 * sin[None, :]
+    # rounded to the input's dtype first, as the unfused path (rotate, then store) rounds, so an
+    # fp8 cache holds the same bytes either way
+    y1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(src.dtype.element_ty)
+    y2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(src.dtype.element_ty)
     out = dst[:, None] + offs[None, :]
-    tl.store(out, y1.to(dst.dtype.element_ty), mask=m)
-    tl.store(out + HALF, y2.to(dst.dtype.element_ty), mask=m)
+    tl.store(out, store_cast(y1, out), mask=m)
+    tl.store(out + HALF, store_cast(y2, out), mask=m)
     if TAIL:
-        tl.store(
-            dst[:, None] + t_offs[None, :], x3.to(dst.dtype.element_ty), mask=m & t_in[None, :]
-        )
+        t_out = dst[:, None] + t_offs[None, :]
+        tl.store(t_out, store_cast(x3.to(src.dtype.element_ty), t_out), mask=m & t_in[None, :])
 
 
 @triton.jit
@@ -319,8 +321,8 @@ def _qk_norm_rope_store_kernel(
         v_src = v_ptr + token * stride_vt + kv_heads * stride_vh
         v = tl.load(v_src[:, None] + dims[None, :], mask=kv_rows[:, None])
         v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_heads * stride_vch
-        tl.store(v_dst[:, None] + dims[None, :], v.to(v_cache_ptr.dtype.element_ty),
-                 mask=kv_rows[:, None])  # fmt: skip
+        v_out = v_dst[:, None] + dims[None, :]
+        tl.store(v_out, store_cast(v, v_out), mask=kv_rows[:, None])
 
 
 def qk_norm_rope_store(

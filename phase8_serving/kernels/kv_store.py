@@ -14,13 +14,33 @@ Invariants:
   PAD_SLOT_ID; valid slots are distinct, so programs never write the same row.
 - Cache layout `[num_blocks, block_size, num_kv_heads, head_dim]` (phase 5); only the slot rows
   named in `slot_mapping` change.
+- An fp8 cache (float8_e4m3fn) gets each value saturated to +-FP8_E4M3_MAX and rounded to nearest
+  even, exactly what the torch path stores (`store_cast`).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from . import PAD_SLOT_ID  # a padded row (kernels/__init__.py): nothing is written for it
+from . import FP8_E4M3_MAX, PAD_SLOT_ID  # a padded row (kernels/__init__.py): nothing is written
+
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # a jit function reads only constexpr globals
+
+
+@triton.jit
+def store_cast(x, ptr):
+    """x as `ptr`'s element type. For fp8 (e4m3: 3 mantissa bits, exponents -6..8, below that
+    steps of 2^-9) the value is saturated and rounded to nearest even here, in fp32, so the cast
+    itself is exact: a GPU's cast would round the same way, but Triton's CPU interpreter, which
+    runs the tests, rounds ties up and loses the carry into the exponent (1.97 -> 1.0)."""
+    if ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -_FP8_MAX), _FP8_MAX)
+        exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
+        # |x / step| < 16: adding and taking away 1.5 * 2^23 leaves it rounded to an integer
+        # (to nearest even, fp32's own rounding)
+        x = ((x / step + 12582912.0) - 12582912.0) * step
+    return x.to(ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -65,8 +85,10 @@ def _store_kvcache_kernel(
     )
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
-    tl.store(k_dst + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
-    tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+    k_dst = k_dst + offs_h[:, None] * stride_kch + offs_d[None, :]
+    v_dst = v_dst + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(k_dst, store_cast(k, k_dst), mask=mask)
+    tl.store(v_dst, store_cast(v, v_dst), mask=mask)
 
 
 def store_kvcache(

@@ -291,7 +291,7 @@ def test_the_gpu_budget_counts_the_state_pool_before_the_blocks(qwen3_5_dir):
     c = loaded.config
     per_slot = c.num_deltanet_layers * c.state_shape.bytes_per_slot(torch.float32)
     assert state_pool_bytes(loaded.model, config) == 8 * per_slot
-    block = kv_block_bytes(loaded.model, 16)
+    block = kv_block_bytes(loaded.model, 16, torch.float32)
     assert block == 16 * 2 * c.num_attention_layers * c.num_kv_heads * c.head_dim * 4
     profile = MemoryProfile(total_bytes=100 * GiB, weights_bytes=10 * GiB,
                             peak_activation_bytes=5 * GiB, other_bytes=2 * GiB)  # fmt: skip

@@ -60,6 +60,8 @@ def test_kv_cache_flags_reach_the_config():
     for flag in ("--num-kv-blocks", "--num-gpu-blocks-override"):  # ours, and vLLM's name
         config = EngineConfig(**engine_kwargs(build_parser().parse_args(["serve", flag, "7"])))
         assert config.num_kv_blocks == 7
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert EngineConfig(**engine_kwargs(args)).kv_cache_dtype == "fp8"
 
 
 def test_the_serve_flags_take_the_server_settings_defaults_without_the_server():

@@ -26,6 +26,7 @@ ENGINE_CONFIGS = {
     "tiny_chunks": {"max_num_batched_tokens": 5},
     "block_size_7": {"block_size": 7, "max_num_batched_tokens": 16},
     "heavy_preemption": {"block_size": 4, "num_kv_blocks": 12},  # 48 slots: one request at a time
+    "fp8_kv_cache": {"kv_cache_dtype": "fp8"},  # the KV cache in fp8, written and read alike
 }
 SAMPLING = {
     "greedy": dict(temperature=0.0),
