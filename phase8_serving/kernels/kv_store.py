@@ -36,10 +36,13 @@ def store_cast(x, ptr):
     if ptr.dtype.element_ty == tl.float8e4nv:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -_FP8_MAX), _FP8_MAX)
         exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-        step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
-        # |x / step| < 16: adding and taking away 1.5 * 2^23 leaves it rounded to an integer
+        # the spacing of e4m3 values there, 2^(exponent - 3), and its inverse: powers of two, so
+        # multiplying by them is exact (a division might not be: GPUs may divide approximately)
+        step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        per_step = ((3 - exponent + 127) << 23).to(tl.float32, bitcast=True)
+        # |x * per_step| < 16: adding and taking away 1.5 * 2^23 leaves it rounded to an integer
         # (to nearest even, fp32's own rounding)
-        x = ((x / step + 12582912.0) - 12582912.0) * step
+        x = ((x * per_step + 12582912.0) - 12582912.0) * step
     return x.to(ptr.dtype.element_ty)
 
 
