@@ -17,6 +17,8 @@ in quality, what it buys in speed.
    (512-token prompt, 256 new tokens) with each; and one decode step at 256 rows profiled
    (torch.profiler): decode attention's GPU µs, the kernel whose bytes fp8 halves.
 
+`--decode-sweep-only` (CUDA): the decode kernel alone at W's context mix, batch 64-256, each cache
+dtype under the tuned tile and 17 others (phase7_kv_cache_dtype_decode_sweep.json).
 Writes phase7_kv_cache_dtype_DEVICE.json (cpu or cuda) into --out.
 Run: python -m benchmarks.phase7_kv_cache_dtype [--quick] [--out DIR]   (--quick: quality only,
 one chat prompt)
@@ -190,12 +192,59 @@ def speed() -> dict:
     }
 
 
+SWEEP_BATCHES = (64, 128, 256)
+
+
+def decode_sweep() -> list[dict]:
+    """The decode kernel alone at W's context mix (benchmarks/phase7_kernels.py's
+    `bench_decode_w_mix`), each cache dtype under the tuned config and its neighbours: the tuned
+    tile was chosen for bf16, and an fp8 tile of the same shape moves half the bytes."""
+    from dataclasses import replace
+
+    from benchmarks.phase7_kernels import PagedCache, bench_decode_w_mix, try_bench
+    from phase7_optim.kernels.paged_decode import TUNED_DECODE_CONFIG
+
+    configs = [TUNED_DECODE_CONFIG] + [
+        replace(TUNED_DECODE_CONFIG, block_n=n, num_warps=w, num_stages=s)
+        for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+        if (n, w, s) != (64, 4, 2)
+    ]  # fmt: skip
+    bf16 = PagedCache()
+    fp8 = PagedCache.__new__(PagedCache)
+    fp8.k, fp8.v = bf16.k.to(FP8), bf16.v.to(FP8)
+    rows = []
+    for batch in SWEEP_BATCHES:
+        for name, cache, element_bytes in (("auto", bf16, 2), ("fp8", fp8, 1)):
+            for config in configs:
+                r = try_bench(lambda c=config, kv=cache, b=batch: bench_decode_w_mix(kv, b, c))
+                if "us" in r:  # the KV bytes read, in this cache's element size
+                    r["GBps"] = r["GBps"] * element_bytes / 2
+                knobs = (config.block_n, config.num_warps, config.num_stages)
+                rows.append({"batch": batch, "kv_cache_dtype": name, "config": knobs, **r})
+            best = min((r for r in rows[-len(configs) :] if "us" in r), key=lambda r: r["us"])
+            tuned = rows[-len(configs)]["us"]
+            print(f"decode b{batch} {name}: tuned {tuned:.1f} us, best {best['config']} "
+                  f"{best['us']:.1f} us {best['GBps']:.0f} GB/s", flush=True)  # fmt: skip
+    return rows
+
+
 def build_parser():
-    return benchmark_parser(__doc__)
+    parser = benchmark_parser(__doc__)
+    parser.add_argument(
+        "--decode-sweep-only",
+        action="store_true",
+        help="only the decode kernel, each cache dtype over tile configs (CUDA)",
+    )
+    return parser
 
 
 def main():
     args = parse_args(build_parser())
+    if args.decode_sweep_only:
+        rows = decode_sweep()
+        path = write_result("phase7_kv_cache_dtype_decode_sweep", {"rows": rows}, args.out)
+        print(f"wrote {path}")
+        return
     result = {"quality": quality(args.quick), "quick": args.quick}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not args.quick:
