@@ -27,6 +27,7 @@ from phase7_optim.kernels import (  # noqa: E402
 from phase7_optim.kernels.fused import qk_norm_rope_store  # noqa: E402
 from phase7_optim.loader import load_model  # noqa: E402
 from phase7_optim.rope import RotaryEmbedding  # noqa: E402
+from tests import hybrid  # noqa: E402
 
 from .conftest import logits_of  # noqa: E402
 from .test_fused import EPS, qkv_views, random_norm, torch_norm_rope  # noqa: E402
@@ -39,6 +40,8 @@ from .test_kernels import (  # noqa: E402
     make_paged_batch,
 )
 from .test_levers import TINY, decode_step, tiny_model  # noqa: E402
+from .test_swap import NUM_KV_BLOCKS  # noqa: E402
+from .test_swap import run as swap_run  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 interpreter = pytest.mark.skipif(
@@ -203,6 +206,35 @@ def test_an_engine_on_an_fp8_cache_picks_what_the_exact_model_ranks_first(tiny_q
     gaps, spread = torch.cat(gaps), torch.stack(spread).mean()
     assert (gaps == 0).float().mean() > 0.8, gaps
     assert gaps.max() < 0.25 * spread and gaps.mean() < 0.02 * spread, (gaps, spread)
+
+
+def test_swapped_fp8_blocks_come_back_as_they_left(tiny_qwen3_tied_dir):
+    """Swap preemption copies fp8 blocks to a CPU pool of the same dtype and back: under a tight
+    cache the tokens are those of an unpressured fp8 run."""
+    unpressured, preemptions, _ = swap_run(tiny_qwen3_tied_dir, kv_cache_dtype="fp8")
+    assert preemptions == 0
+    tokens, preemptions, swapped = swap_run(
+        tiny_qwen3_tied_dir, kv_cache_dtype="fp8", num_kv_blocks=NUM_KV_BLOCKS,
+        preemption_mode="swap", num_cpu_kv_blocks=32,
+    )  # fmt: skip
+    assert swapped and preemptions > 0
+    assert tokens == unpressured
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dir(tmp_path_factory, qwen3_tokenizer_dir):
+    return hybrid.save_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5"), qwen3_tokenizer_dir)
+
+
+def test_a_hybrid_model_keeps_its_state_pool_in_the_model_dtype(qwen3_5_dir):
+    """Qwen3.5: only its attention layers' keys and values go to fp8; the Gated DeltaNet state
+    (read and rewritten every step) stays as it was."""
+    llm = LLM(qwen3_5_dir, kv_cache_dtype="fp8", kv_cache_memory_bytes=2**20, max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.kv_cache.k[0].dtype == FP8 and runner.state_pool.conv[0].dtype == torch.float32
+    out = llm.generate([[151643, 9707, 11, 1879]] * 2, SamplingParams(temperature=0.0,
+                       max_tokens=6, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("value", ["fp8_e5m2", "float8", "bf16", None, 8])
