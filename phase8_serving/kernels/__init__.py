@@ -12,7 +12,9 @@ with its state (causal_conv1d.py), the gated delta rule's decode step and chunke
 
 Cache layout (phase 5): per layer, K and V caches of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`; logical position p of a sequence lives at slot
-`block_table[p // block_size] * block_size + p % block_size`.
+`block_table[p // block_size] * block_size + p % block_size`. The caches hold the model's dtype
+or fp8 (`kv_cache_dtype="fp8"`, kv_cache.py): writers round through `store_cast` (kv_store.py),
+readers widen each tile in `attn_tiles`.
 
 This package is a leaf: it imports nothing of the engine, which imports it. `PAD_SLOT_ID` and
 `FP8_E4M3_MAX`, the values both sides share, are defined here, and importing the package needs no
