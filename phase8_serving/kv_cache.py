@@ -15,10 +15,11 @@ Phase 7: the cache also carries the attention backend that writes and reads it
 It may hold fp8 instead of the model's dtype (`kv_cache_dtype="fp8"`, vLLM's name): half the bytes,
 so twice the blocks in the same memory, and half the bytes a decode step reads, which is what
 bounds a large batch. Writers saturate to +-448 and round to nearest even (attention_backend.py's
-`to_cache_dtype`, the kernels' `store_cast`); readers widen each tile back to the query's dtype
-and compute as before. There is no scale (vLLM's default without calibrated scales is 1 too):
-e4m3 keeps 3 mantissa bits, a relative error of at most 1/16 per element from 2^-6 to 448, and
-Qwen3's keys (normed per head) and values sit in that range.
+`to_cache_dtype`, the kernels' `store_cast`); readers widen each tile in registers and compute
+as before. There is no scale (vLLM's default without calibrated scales is 1 too): e4m3 keeps 3
+mantissa bits, a relative error of at most 1/16 per element from 2^-6 to 448, and a scale would
+only move that window (SmolLM2's keys and values: none past 448, 2 % below 2^-6;
+benchmarks/phase7_kv_cache_dtype.py).
 """
 
 import torch

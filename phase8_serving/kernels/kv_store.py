@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import FP8_E4M3_MAX, PAD_SLOT_ID  # a padded row (kernels/__init__.py): nothing is written
+# PAD_SLOT_ID: a padded row (kernels/__init__.py), nothing is written for it
+from . import FP8_E4M3_MAX, PAD_SLOT_ID
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # a jit function reads only constexpr globals
 
