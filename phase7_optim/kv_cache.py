@@ -14,7 +14,8 @@ Phase 7: the cache also carries the attention backend that writes and reads it
 (attention_backend.py), chosen once from its device: the kernels on CUDA, the torch path elsewhere.
 It may hold fp8 instead of the model's dtype (`kv_cache_dtype="fp8"`, vLLM's name): half the bytes,
 so twice the blocks in the same memory, and half the bytes a decode step reads (which bounds a
-large batch on an H100; on an H200 the kernel's work per key bounds it as much: phase 7's README). Writers saturate to +-448 and round to nearest even (attention_backend.py's
+large batch on an H100; on an H200 the kernel's work per key bounds it as much: phase 7's
+README). Writers saturate to +-448 and round to nearest even (attention_backend.py's
 `to_cache_dtype`, the kernels' `store_cast`); readers widen each tile in registers and compute
 as before. There is no scale (vLLM's default without calibrated scales is 1 too): e4m3 keeps 3
 mantissa bits, a relative error of at most 1/16 per element from 2^-6 to 448, and a scale would
