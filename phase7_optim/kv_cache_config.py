@@ -99,7 +99,9 @@ def kv_block_bytes(
     return block_size * per_token  # 2: keys and values
 
 
-def kv_cache_dtype(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, config: EngineConfig):
+def kv_cache_dtype(
+    model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, config: EngineConfig
+) -> torch.dtype:
     """The cache's element type: the model's, or fp8 (`config.kv_cache_dtype`, kv_cache.py)."""
     device = model.lm_head.weight.device
     return resolve_cache_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype, device)
