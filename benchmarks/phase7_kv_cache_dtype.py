@@ -27,6 +27,7 @@ one chat prompt)
 import statistics
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -58,8 +59,7 @@ def teacher_forced(model, ids: list[int], cache_dtype: torch.dtype, device) -> t
     """Log-probabilities at every position of `ids` (one prefill, block size 16), and the cache."""
     c, n, block = model.config, len(ids), 16
     blocks = -(-n // block)
-    num_layers = c.num_attention_layers if hasattr(c, "num_attention_layers") else c.num_layers
-    cache = KVCache(num_layers, blocks, block, c.num_kv_heads, c.head_dim, cache_dtype, device)
+    cache = KVCache(c.num_layers, blocks, block, c.num_kv_heads, c.head_dim, cache_dtype, device)
     i32 = dict(dtype=torch.int32, device=device)
     batch = ForwardBatch(
         query_start_loc=torch.tensor([0, n], **i32), seq_lens=torch.tensor([n], **i32),
@@ -210,8 +210,7 @@ def decode_sweep() -> list[dict]:
         if (n, w, s) != (64, 4, 2)
     ]  # fmt: skip
     bf16 = PagedCache()
-    fp8 = PagedCache.__new__(PagedCache)
-    fp8.k, fp8.v = bf16.k.to(FP8), bf16.v.to(FP8)
+    fp8 = SimpleNamespace(k=bf16.k.to(FP8), v=bf16.v.to(FP8))  # the same keys, in fp8
     rows = []
     for batch in SWEEP_BATCHES:
         for name, cache, element_bytes in (("auto", bf16, 2), ("fp8", fp8, 1)):
