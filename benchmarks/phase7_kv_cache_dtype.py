@@ -17,8 +17,9 @@ in quality, what it buys in speed.
    (512-token prompt, 256 new tokens) with each; and one decode step at 256 rows profiled
    (torch.profiler): decode attention's GPU µs, the kernel whose bytes fp8 halves.
 
-`--decode-sweep-only` (CUDA): the decode kernel alone at W's context mix, batch 64-256, each cache
-dtype under the tuned tile and 17 others (phase7_kv_cache_dtype_decode_sweep.json).
+`--decode-sweep-only` (CUDA): the decode kernel alone at W's context mix, batch 16-256, each cache
+dtype under the tuned tile, the tuned tile with every key tile masked (`whole_tiles=False`, the
+loop before 2026-12-06) and 17 other tiles (phase7_kv_cache_dtype_decode_sweep.json).
 Writes phase7_kv_cache_dtype_DEVICE.json (cpu or cuda) into --out.
 Run: python -m benchmarks.phase7_kv_cache_dtype [--quick] [--out DIR]   (--quick: quality only,
 one chat prompt)
@@ -192,7 +193,7 @@ def speed() -> dict:
     }
 
 
-SWEEP_BATCHES = (64, 128, 256)
+SWEEP_BATCHES = (16, 64, 128, 256)
 
 
 def decode_sweep() -> list[dict]:
@@ -204,7 +205,7 @@ def decode_sweep() -> list[dict]:
     from benchmarks.phase7_kernels import PagedCache, bench_decode_w_mix, try_bench
     from phase7_optim.kernels.paged_decode import TUNED_DECODE_CONFIG
 
-    configs = [TUNED_DECODE_CONFIG] + [
+    configs = [TUNED_DECODE_CONFIG, replace(TUNED_DECODE_CONFIG, whole_tiles=False)] + [
         replace(TUNED_DECODE_CONFIG, block_n=n, num_warps=w, num_stages=s)
         for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
         if (n, w, s) != (64, 4, 2)
@@ -219,11 +220,15 @@ def decode_sweep() -> list[dict]:
                 if "us" in r:  # the KV bytes read, in this cache's element size
                     r["GBps"] = r["GBps"] * element_bytes / 2
                 knobs = (config.block_n, config.num_warps, config.num_stages)
-                rows.append({"batch": batch, "kv_cache_dtype": name, "config": knobs, **r})
+                rows.append({
+                    "batch": batch, "kv_cache_dtype": name, "config": knobs,
+                    "whole_tiles": config.whole_tiles, **r,
+                })  # fmt: skip
             best = min((r for r in rows[-len(configs) :] if "us" in r), key=lambda r: r["us"])
-            tuned = rows[-len(configs)]["us"]
-            print(f"decode b{batch} {name}: tuned {tuned:.1f} us, best {best['config']} "
-                  f"{best['us']:.1f} us {best['GBps']:.0f} GB/s", flush=True)  # fmt: skip
+            tuned, masked = (rows[-len(configs) + i].get("us", float("nan")) for i in (0, 1))
+            print(f"decode b{batch} {name}: tuned {tuned:.1f} us (every tile masked {masked:.1f}),"
+                  f" best {best['config']} {best['us']:.1f} us {best['GBps']:.0f} GB/s",
+                  flush=True)  # fmt: skip
     return rows
 
 

@@ -16,7 +16,10 @@ Idea (vLLM's PagedAttention v2, FlashDecoding):
   `num_splits` comes from a heuristic that aims for a few programs per SM without host syncs.
   With a single split the program normalizes and stores the output itself: no merge launch.
 - the key loop is `attn_tiles` (online_softmax.py), the prefill kernel's loop, with this
-  kernel's rows being the query heads of one KV head.
+  kernel's rows being the query heads of one KV head. The newest query sees every key, so only
+  a split's last, partial tile needs bounds: the whole tiles before it run the loop without
+  masks (`whole_tiles`), a third fewer instructions a tile, which matters where the SMs, not
+  the memory, are the bound (an fp8 cache, widened in registers; small batches).
 - longest first: a program's work is its sequence's context over num_splits, and W's contexts
   span 100-2,000 tokens, so in batch order a long sequence whose programs start last finishes
   alone while most SMs idle (the tail of the launch). Given `order` (the sequences sorted by
@@ -66,6 +69,7 @@ class DecodeConfig:
     direct_single_split: bool = False  # one split: store the output, skip the merge kernel
     pdl: bool = False  # programmatic dependent launch: start while the kernel before finishes
     longest_first: bool = False  # the caller's `order` is used: longest contexts start first
+    whole_tiles: bool = False  # a split's whole key tiles without masks, then the partial one
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n != triton.next_power_of_2(self.block_n):
@@ -87,17 +91,19 @@ BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 # longest contexts first, which also wants fewer programs per SM (8: batch 256 one split, 128 two):
 # W's mix at batch 256 / 128 / 64 / 16 took 262 / 150 / 82 / 28 µs a layer in batch order, 236 /
 # 136 / 76 / 26 longest first (4,381 GB/s at 256: 97 % of what a pure read reaches, 4.5 TB/s).
+# 2026-12-06: whole key tiles unmasked (`whole_tiles`; benchmarks/phase7_kv_cache_dtype.py).
 TUNED_DECODE_CONFIG = DecodeConfig(
     block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, min_tokens_per_split=64,
-    direct_single_split=True, pdl=True, longest_first=True,
+    direct_single_split=True, pdl=True, longest_first=True, whole_tiles=True,
 )  # fmt: skip
 
 
 def default_decode_config(device: torch.device, tuned: bool = True) -> DecodeConfig:
     if device.type != "cuda":  # the interpreter: small tiles keep the CPU tests quick
         return DecodeConfig(
-            block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned, longest_first=tuned
-        )
+            block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned,
+            longest_first=tuned, whole_tiles=tuned,
+        )  # fmt: skip
     return TUNED_DECODE_CONFIG if tuned else BASELINE_DECODE_CONFIG
 
 
@@ -143,6 +149,7 @@ def _paged_decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: part_out_ptr is the output, (seq, head) rows, its dtype
     ORDERED: tl.constexpr,  # grid (split, head, rank): the rank-th sequence is order[rank]
+    WHOLE_TILES: tl.constexpr,  # [lo, whole_hi) unmasked, then [whole_hi, hi) masked
     PDL: tl.constexpr,
 ):
     launch_dependents(PDL)  # the merge (or o_proj's GEMV) may be scheduled as this one drains
@@ -171,6 +178,15 @@ def _paged_decode_split_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     q_pos = seq_len - 1 + tl.zeros([BLOCK_H], dtype=tl.int32)  # the newest position: sees all
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
+    if WHOLE_TILES:  # every key < hi is visible: only the last tile can run past the end
+        whole_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = attn_tiles(
+            acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            lo, whole_hi, qk_scale,
+            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, MASK=False,
+        )  # fmt: skip
+        lo = whole_hi
     acc, l_i, m_i = attn_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
         lo, hi, qk_scale,
@@ -303,6 +319,7 @@ def paged_decode_attention(
         BLOCK_N=config.block_n,
         DIRECT=direct,
         ORDERED=ordered,
+        WHOLE_TILES=config.whole_tiles,
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -268,8 +268,8 @@ def test_chunked_prefill_through_the_cache_equals_one_shot_prefill():
     "num_splits", [None, pytest.param(1, marks=pytest.mark.slow), 3, 8]
 )
 def test_paged_decode_split_k_matches_reference(dtype, num_heads, num_kv_heads, num_splits):
-    context_lens = [0, 36, 99, 150]  # seq_lens 1, 37, 100, 151
-    batch = make_paged_batch([1] * 4, context_lens, num_heads, num_kv_heads, 32, 16, dtype, CPU)
+    context_lens = [0, 36, 99, 150, 63]  # seq_lens 1, 37, 100, 151, 64 (whole key tiles only)
+    batch = make_paged_batch([1] * 5, context_lens, num_heads, num_kv_heads, 32, 16, dtype, CPU)
     check_decode(batch, num_splits)  # one split (None here, and 1) writes the output itself
     check_decode(batch, num_splits, MERGING)  # every split count through the merge kernel
 
