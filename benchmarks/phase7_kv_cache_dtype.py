@@ -19,7 +19,8 @@ in quality, what it buys in speed.
 
 `--decode-sweep-only` (CUDA): the decode kernel alone at W's context mix, batch 16-256, each cache
 dtype under the tuned tile, the tuned tile with every key tile masked (`whole_tiles=False`, the
-loop before 2026-12-06) and 17 other tiles (phase7_kv_cache_dtype_decode_sweep.json).
+loop before 2026-12-06) and 17 other tiles (phase7_kv_cache_dtype_decode_sweep.json); with
+`--whole-tiles-only` the first two alone (phase7_kv_cache_dtype_decode_whole_tiles.json).
 Writes phase7_kv_cache_dtype_DEVICE.json (cpu or cuda) into --out.
 Run: python -m benchmarks.phase7_kv_cache_dtype [--quick] [--out DIR]   (--quick: quality only,
 one chat prompt)
@@ -196,16 +197,18 @@ def speed() -> dict:
 SWEEP_BATCHES = (16, 64, 128, 256)
 
 
-def decode_sweep() -> list[dict]:
+def decode_sweep(whole_tiles_only: bool = False) -> list[dict]:
     """The decode kernel alone at W's context mix (benchmarks/phase7_kernels.py's
     `bench_decode_w_mix`), each cache dtype under the tuned config and its neighbours: the tuned
-    tile was chosen for bf16, and an fp8 tile of the same shape moves half the bytes."""
+    tile was chosen for bf16, and an fp8 tile of the same shape moves half the bytes.
+    `whole_tiles_only`: the tuned config with and without `whole_tiles`, nothing else."""
     from dataclasses import replace
 
     from benchmarks.phase7_kernels import PagedCache, bench_decode_w_mix, try_bench
     from phase7_optim.kernels.paged_decode import TUNED_DECODE_CONFIG
 
-    configs = [TUNED_DECODE_CONFIG, replace(TUNED_DECODE_CONFIG, whole_tiles=False)] + [
+    configs = [TUNED_DECODE_CONFIG, replace(TUNED_DECODE_CONFIG, whole_tiles=False)]
+    configs += [] if whole_tiles_only else [
         replace(TUNED_DECODE_CONFIG, block_n=n, num_warps=w, num_stages=s)
         for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
         if (n, w, s) != (64, 4, 2)
@@ -239,14 +242,20 @@ def build_parser():
         action="store_true",
         help="only the decode kernel, each cache dtype over tile configs (CUDA)",
     )
+    parser.add_argument(
+        "--whole-tiles-only",
+        action="store_true",
+        help="with --decode-sweep-only: the tuned tile with and without whole_tiles, no others",
+    )
     return parser
 
 
 def main():
     args = parse_args(build_parser())
     if args.decode_sweep_only:
-        rows = decode_sweep()
-        path = write_result("phase7_kv_cache_dtype_decode_sweep", {"rows": rows}, args.out)
+        rows = decode_sweep(args.whole_tiles_only)
+        name = "decode_whole_tiles" if args.whole_tiles_only else "decode_sweep"
+        path = write_result(f"phase7_kv_cache_dtype_{name}", {"rows": rows}, args.out)
         print(f"wrote {path}")
         return
     result = {"quality": quality(args.quick), "quick": args.quick}
