@@ -21,8 +21,9 @@ Invariants:
   caller guarantees every key of every tile in [lo, hi) is visible to every row (whole tiles):
   then no load is masked either. A mask costs more than its compare: each masked load is a
   predicated copy per row, and the bounds keep the compiler from proving the positions
-  non-negative, so `// BLOCK_SIZE` and `% BLOCK_SIZE` become signed-division sequences (the
-  SASS of a whole decode tile: 540 instructions a thread with masks, 342 without, bf16);
+  non-negative, so `// BLOCK_SIZE` and `% BLOCK_SIZE` become signed-division sequences (a
+  decode tile compiled for the H200: 464 instructions a thread masked, 310 unmasked with a bf16
+  cache, 671 and 519 with fp8; benchmarks/phase7_kernel_sass.py);
 - every row sees at least one key of the first tile it folds (key 0 in prefill, the split's first
   key in decode), so m_i is finite from then on and no exp2(-inf - -inf) = NaN arises; with an
   empty range [lo, hi) nothing changes; acc / l_i is the attention output once all are folded.

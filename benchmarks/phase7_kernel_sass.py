@@ -1,0 +1,138 @@
+"""What the attention kernels' key loops compile to on a Hopper GPU, counted without one.
+
+A decode step at large batch is bound by memory only while each key tile costs the SMs less time
+than its bytes take to arrive; an fp8 cache halves the bytes and leaves the work, so whether a
+lever that removes instructions pays shows in the machine code before any timing. Triton's
+pip wheel carries the CUDA assembler (ptxas) and disassembler (nvdisasm), so a CPU machine can
+compile a kernel for sm_90 and count the instructions of its loops: this script does that for
+the paged decode kernel (bf16 and fp8 caches, each tile masked or the whole tiles without
+masks) and the prefill kernel, at workload W's shapes (Qwen3-0.6B: 16 query heads on 8 KV
+heads of 128, block size 16, the tuned tiles).
+
+Per kernel it reports each loop (a backward branch over more than 50 instructions: the key
+loops) with its instruction count per thread and per 64 keys for the whole block of threads,
+and the count of each opcode. Counts are static (one pass through the loop body), not timings.
+
+Run (any machine with Triton): python -m benchmarks.phase7_kernel_sass [--out DIR]
+Writes phase7_kernel_sass.json. The counts depend on the Triton version (the JSON names it).
+"""
+
+import collections
+import re
+import subprocess
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from benchmarks.harness import benchmark_parser, parse_args, write_result
+from phase7_optim.kernels import flash_prefill, paged_decode
+
+TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100, H200)
+GROUP, BLOCK_SIZE, HEAD_DIM = 2, 16, 128  # Qwen3-0.6B's GQA group, W's block size
+LOOP_MIN_INSTRUCTIONS = 50
+NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)")
+LABEL = re.compile(r"^(\.L_x_\d+):$")
+BACK_BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
+
+
+def signature(kernel, types: dict[str, str], constexprs: dict) -> ASTSource:
+    """The kernel specialized as a launch from the engine would be: every pointer and every
+    integer not in `types` 16-divisible (Triton's specialization of aligned arguments)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "i32")
+        if sig[name].startswith("*") or name not in types:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+
+
+def loops(cubin: bytes) -> list[dict]:
+    """The loops of a compiled kernel: instructions per thread in one pass, and per opcode."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [str(NVDISASM), "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(sass) if (m := LABEL.match(line.strip()))}
+    found = []
+    for end, line in enumerate(sass):
+        m = BACK_BRANCH.search(line)
+        start = labels.get(m.group(1)) if m else None
+        if start is None or start >= end:
+            continue
+        ops = collections.Counter(
+            m.group(1) for text in sass[start : end + 1] if (m := INSTRUCTION.match(text))
+        )
+        if sum(ops.values()) > LOOP_MIN_INSTRUCTIONS:
+            found.append({"instructions": sum(ops.values()), "opcodes": dict(ops.most_common())})
+    return found
+
+
+def compile_loops(source: ASTSource, num_warps: int, num_stages: int, keys: int) -> dict:
+    compiled = triton.compile(
+        source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    found = loops(compiled.asm["cubin"])
+    for loop in found:  # the whole block's work, normalized to 64 keys
+        loop["warp_instructions_per_64_keys"] = loop["instructions"] * num_warps * 64 // keys
+    return {"shared_memory_bytes": compiled.metadata.shared, "loops": found}
+
+
+def decode_rows() -> list[dict]:
+    tuned = paged_decode.TUNED_DECODE_CONFIG
+    rows = []
+    for cache in ("bf16", "fp8e4nv"):
+        for config in (tuned, replace(tuned, whole_tiles=False)):
+            types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
+                     "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "order_ptr": "*i32",
+                     "part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "qk_scale": "fp32",
+                     "stride_pop": "i32", "stride_lses": "i32", "stride_lseh": "i32"}  # fmt: skip
+            constexprs = dict(
+                QUERY_GROUP_SIZE=GROUP, BLOCK_H=paged_decode.MIN_BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
+                HEAD_DIM=HEAD_DIM, BLOCK_N=config.block_n, DIRECT=True, ORDERED=True,
+                WHOLE_TILES=config.whole_tiles, PDL=True,
+            )  # fmt: skip
+            source = signature(paged_decode._paged_decode_split_kernel, types, constexprs)
+            result = compile_loops(source, config.num_warps, config.num_stages, config.block_n)
+            rows.append({"kernel": "paged decode", "cache": cache,
+                         "whole_tiles": config.whole_tiles, **result})  # fmt: skip
+    return rows
+
+
+def prefill_row() -> dict:
+    config = flash_prefill.PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+             "out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "block_tables_ptr": "*i32", "qk_scale": "fp32", "first_seq": "i32"}  # fmt: skip
+    constexprs = dict(
+        QUERY_GROUP_SIZE=GROUP, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, LONGEST_FIRST=True,
+    )  # fmt: skip
+    source = signature(flash_prefill._flash_attn_varlen_paged_kernel, types, constexprs)
+    result = compile_loops(source, config.num_warps, config.num_stages, config.block_n)
+    return {"kernel": "prefill (the unmasked loop, then the diagonal band)", "cache": "bf16",
+            "config": config.__dict__, **result}  # fmt: skip
+
+
+def main():
+    args = parse_args(benchmark_parser(__doc__, threads=False))
+    rows = [*decode_rows(), prefill_row()]
+    for r in rows:
+        counts = ", ".join(str(loop["instructions"]) for loop in r["loops"])
+        flag = f" whole_tiles={r['whole_tiles']}" if "whole_tiles" in r else ""
+        print(f"{r['kernel']} {r['cache']}{flag}: loops of {counts} instructions a thread")
+    result = {"target": "sm_90", "triton": triton.__version__, "rows": rows}
+    print(f"wrote {write_result('phase7_kernel_sass', result, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
