@@ -19,7 +19,7 @@ in quality, what it buys in speed.
 
 `--decode-sweep-only` (CUDA): the decode kernel alone at W's context mix, batch 16-256, each cache
 dtype under the tuned tile, the tuned tile with every key tile masked (`whole_tiles=False`, the
-loop before 2026-12-06) and 17 other tiles (phase7_kv_cache_dtype_decode_sweep.json); with
+loop before 2026-12-06) and 26 other tiles (phase7_kv_cache_dtype_decode_sweep.json); with
 `--whole-tiles-only` the first two alone (phase7_kv_cache_dtype_decode_whole_tiles.json).
 Writes phase7_kv_cache_dtype_DEVICE.json (cpu or cuda) into --out.
 Run: python -m benchmarks.phase7_kv_cache_dtype [--quick] [--out DIR]   (--quick: quality only,
@@ -210,7 +210,7 @@ def decode_sweep(whole_tiles_only: bool = False) -> list[dict]:
     configs = [TUNED_DECODE_CONFIG, replace(TUNED_DECODE_CONFIG, whole_tiles=False)]
     configs += [] if whole_tiles_only else [
         replace(TUNED_DECODE_CONFIG, block_n=n, num_warps=w, num_stages=s)
-        for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+        for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)
         if (n, w, s) != (64, 4, 2)
     ]  # fmt: skip
     bf16 = PagedCache()
