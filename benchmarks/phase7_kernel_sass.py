@@ -123,8 +123,12 @@ def prefill_row() -> dict:
             "config": config.__dict__, **result}  # fmt: skip
 
 
+def build_parser():
+    return benchmark_parser(__doc__, threads=False)  # compiles only: --quick changes nothing
+
+
 def main():
-    args = parse_args(benchmark_parser(__doc__, threads=False))
+    args = parse_args(build_parser())
     rows = [*decode_rows(), prefill_row()]
     for r in rows:
         counts = ", ".join(str(loop["instructions"]) for loop in r["loops"])

@@ -71,7 +71,10 @@ class TritonAttention:
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         scale = q.shape[-1] ** -0.5
-        config = self.kernels.default_decode_config(q.device, kernels.tune_decode_attention)
+        decodes = batch.seq_lens.shape[0] if batch.max_query_len == 1 else batch.num_decodes
+        config = self.kernels.default_decode_config(
+            q.device, kernels.tune_decode_attention, k_cache.dtype, decodes
+        )
         if config.pdl and not kernels.programmatic_launch:  # a new config only for the lever
             config = replace(config, pdl=False)
         order = batch.decode_order if config.longest_first else None

@@ -21,7 +21,7 @@ SCRIPTS = sorted(
 # Single-threaded by design (the tokenizer) or timed on a GPU: no --threads.
 NO_THREADS = {
     "tokenizer_speed", "phase6_qwen3_gpu", "phase7_gemv", "phase7_kernels", "phase7_optim",
-    "phase7_tp", "phase7_qwen3_5", "phase7_prefill", "phase8_serving",
+    "phase7_tp", "phase7_qwen3_5", "phase7_prefill", "phase8_serving", "phase7_kernel_sass",
 }  # fmt: skip
 
 

@@ -42,7 +42,7 @@ Invariants:
 - `order` is a permutation of the batch: it changes when programs start, never what they compute.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -98,13 +98,33 @@ TUNED_DECODE_CONFIG = DecodeConfig(
 )  # fmt: skip
 
 
-def default_decode_config(device: torch.device, tuned: bool = True) -> DecodeConfig:
+# An fp8 cache (2026-12-06, H100, the same sweep, benchmarks/phase7_kv_cache_dtype.py
+# --decode-sweep-only): with half the bytes a tile, the instructions, not the reads, bound the
+# kernel, and a 2-warp program of 32 keys issues the fewest a key without spilling registers
+# (benchmarks/phase7_kernel_sass.py): batch 256 / 128 / 64 took 207 / 119 / 65 µs against the
+# bf16 tile's 215 / 128 / 72. A bf16 cache reads at the copy rate either way. In the engine, W
+# with an fp8 cache: 26,988 -> 27,871 tok/s (+3.3 %); but the single stream (batch 1) went 0.922
+# -> 0.968 ms a token, so below FP8_TILE_MIN_SEQS sequences the bf16 tile stays.
+TUNED_FP8_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, block_n=32, num_warps=2)
+FP8_TILE_MIN_SEQS = 16  # the smallest batch the sweep measured the fp8 tile faster at
+
+
+def default_decode_config(
+    device: torch.device,
+    tuned: bool = True,
+    cache_dtype: torch.dtype | None = None,
+    num_seqs: int | None = None,
+) -> DecodeConfig:
     if device.type != "cuda":  # the interpreter: small tiles keep the CPU tests quick
         return DecodeConfig(
             block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned,
             longest_first=tuned, whole_tiles=tuned,
         )  # fmt: skip
-    return TUNED_DECODE_CONFIG if tuned else BASELINE_DECODE_CONFIG
+    if not tuned:
+        return BASELINE_DECODE_CONFIG
+    many = num_seqs is None or num_seqs >= FP8_TILE_MIN_SEQS
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    return TUNED_FP8_DECODE_CONFIG if fp8 and many else TUNED_DECODE_CONFIG
 
 
 def choose_num_splits(
@@ -277,7 +297,7 @@ def paged_decode_attention(
     assert head_dim == triton.next_power_of_2(head_dim), "tl.arange needs a power of two"
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
-    config = config or default_decode_config(q.device)
+    config = config or default_decode_config(q.device, True, k_cache.dtype, q.shape[0])
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_sms = (

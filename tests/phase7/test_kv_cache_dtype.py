@@ -25,6 +25,12 @@ from phase7_optim.kernels import (  # noqa: E402
     store_kvcache_ref,
 )
 from phase7_optim.kernels.fused import qk_norm_rope_store  # noqa: E402
+from phase7_optim.kernels.paged_decode import (  # noqa: E402
+    BASELINE_DECODE_CONFIG,
+    TUNED_DECODE_CONFIG,
+    TUNED_FP8_DECODE_CONFIG,
+    default_decode_config,
+)
 from phase7_optim.loader import load_model  # noqa: E402
 from phase7_optim.rope import RotaryEmbedding  # noqa: E402
 from tests import hybrid  # noqa: E402
@@ -110,6 +116,24 @@ def test_decode_attention_reads_an_fp8_cache(dtype):
     batch = fp8_batch([1] * 4, [0, 36, 99, 150], 4, 2, 32, dtype, CPU)
     check_decode(batch, None)  # one split, the output written directly
     check_decode(batch, 3, MERGING)
+
+
+@interpreter
+def test_decode_attention_reads_an_fp8_cache_with_its_own_tile():
+    batch = fp8_batch([1] * 4, [0, 36, 99, 150], 4, 2, 32, torch.float32, CPU)
+    check_decode(batch, None, TUNED_FP8_DECODE_CONFIG)
+    check_decode(batch, 3, TUNED_FP8_DECODE_CONFIG)
+
+
+def test_an_fp8_cache_gets_its_own_decode_tile_from_16_sequences():
+    """On CUDA a batch of 16 or more decodes over an fp8 cache runs the 2-warp, 32-key tile (the
+    instructions bound it there); fewer, a bf16 cache or the untuned lever keep theirs."""
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    assert default_decode_config(cuda, True, FP8, 16) == TUNED_FP8_DECODE_CONFIG
+    assert default_decode_config(cuda, True, FP8, None) == TUNED_FP8_DECODE_CONFIG
+    assert default_decode_config(cuda, True, FP8, 15) == TUNED_DECODE_CONFIG
+    assert default_decode_config(cuda, True, torch.bfloat16, 256) == TUNED_DECODE_CONFIG
+    assert default_decode_config(cuda, False, FP8, 256) == BASELINE_DECODE_CONFIG
 
 
 @interpreter
@@ -262,6 +286,7 @@ def test_gpu_attention_reads_an_fp8_cache(head_dim):
     decode = fp8_batch([1] * 5, [0, 15, 1000, 4999, 32000], 16, 8, head_dim, torch.bfloat16, CUDA)
     check_decode(decode, None)
     check_decode(decode, 1)
+    check_decode(decode, None, TUNED_FP8_DECODE_CONFIG)  # the tile of 16 and more sequences
     prefill = fp8_batch([1, 333, 1030], [0, 517, 17], 16, 8, head_dim, torch.bfloat16, CUDA)
     check_prefill(prefill)
 
