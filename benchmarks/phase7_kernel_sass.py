@@ -87,10 +87,10 @@ def compile_loops(source: ASTSource, num_warps: int, num_stages: int, keys: int)
     return {"shared_memory_bytes": compiled.metadata.shared, "loops": found}
 
 
-def decode_rows() -> list[dict]:
+def decode_rows(caches: tuple[str, ...] = ("bf16", "fp8e4nv")) -> list[dict]:
     tuned = paged_decode.TUNED_DECODE_CONFIG
     rows = []
-    for cache in ("bf16", "fp8e4nv"):
+    for cache in caches:
         for config in (tuned, replace(tuned, whole_tiles=False)):
             types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                      "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "order_ptr": "*i32",
