@@ -102,9 +102,9 @@ TUNED_DECODE_CONFIG = DecodeConfig(
 # --decode-sweep-only): with half the bytes a tile, the instructions, not the reads, bound the
 # kernel, and a 2-warp program of 32 keys issues the fewest a key without spilling registers
 # (benchmarks/phase7_kernel_sass.py): batch 256 / 128 / 64 took 207 / 119 / 65 µs against the
-# bf16 tile's 215 / 128 / 72. A bf16 cache reads at the copy rate either way. In the engine, W
-# with an fp8 cache: 26,988 -> 27,871 tok/s (+3.3 %); but the single stream (batch 1) went 0.922
-# -> 0.968 ms a token, so below FP8_TILE_MIN_SEQS sequences the bf16 tile stays.
+# bf16 tile's 215 / 128 / 72. A bf16 cache reads at the copy rate either way. In the engine
+# (the tile at every batch), W on an fp8 cache: 26,988 -> 27,871 tok/s; but batch 1 (single
+# stream) went 0.922 -> 0.968 ms a token, so below FP8_TILE_MIN_SEQS sequences the bf16 tile stays.
 TUNED_FP8_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, block_n=32, num_warps=2)
 FP8_TILE_MIN_SEQS = 16  # the smallest batch the sweep measured the fp8 tile faster at
 
