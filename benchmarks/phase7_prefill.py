@@ -18,7 +18,10 @@ Beside it, the attention kernels alone at each length (causal, one sequence, 16 
 heads of 128, bf16, L2 flushed, median): our varlen paged prefill at block size 16 with the
 default config, against torch SDPA with the backend it picks itself (what transformers calls);
 and ours with each launch lever off in turn (`LEVERS`: two pipeline stages instead of three,
-query tiles in launch order instead of longest first).
+query tiles in launch order instead of longest first). Past 16,384 tokens also the launches the
+engine makes for that prompt (chunks of ENGINE_CHUNK queries, each attending to the keys before
+its end), with the default config and each lever off: one 32,000-token launch is not what the
+engine runs.
 
 Goal (issue 26): phase 7 >= transformers at every length.
 
@@ -50,6 +53,7 @@ LEVERS = {  # the kernel's launch levers, each turned off alone in the kernel ro
     "query tiles in launch order, not longest first": {"longest_first": False},
 }
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+ENGINE_CHUNK = 16384  # LLM's default token budget: a longer prompt is prefilled in chunks
 PROMPT_SEED, PROMPT_ID_RANGE = 0, 10000
 
 
@@ -120,9 +124,29 @@ def kernel_row(n: int) -> dict:
             )
         )
 
+    def ours_in_chunks(config):  # the launches the engine makes: chunk i attends to 0 … its end
+        starts = range(0, n, ENGINE_CHUNK)
+        ends = [min(n, start + ENGINE_CHUNK) for start in starts]
+        lens = [torch.tensor([end], device=dev, dtype=torch.int32) for end in ends]
+        locs = [torch.tensor([0, end - start], device=dev, dtype=torch.int32)
+                for start, end in zip(starts, ends, strict=True)]  # fmt: skip
+
+        def launches():
+            for start, end, loc, seq_len in zip(starts, ends, locs, lens, strict=True):
+                flash_attn_varlen_paged(
+                    q[start:end], k_cache, v_cache, loc, seq_len, table, end - start, scale, config
+                )
+
+        return do_bench(launches)
+
     default = default_prefill_config(HEAD_DIM, q.device)
     ours_ms = ours(default)
     levers_off = {name: ours(replace(default, **change)) for name, change in LEVERS.items()}
+    chunked = None
+    if n > ENGINE_CHUNK:
+        chunked = {"chunk_tokens": ENGINE_CHUNK, "ours_ms": ours_in_chunks(default)}
+        for name, change in LEVERS.items():
+            chunked[f"ours_ms, {name}"] = ours_in_chunks(replace(default, **change))
     qs = q.transpose(0, 1)[None]  # [1, H, N, D]
     ks = k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None].contiguous()
     vs = v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1)[None].contiguous()
@@ -138,6 +162,7 @@ def kernel_row(n: int) -> dict:
         "sdpa_TFLOPs": flops / sdpa_ms / 1e9,
         "ours_over_sdpa": sdpa_ms / ours_ms,
         "ours_ms_with_one_lever_off": levers_off,
+        "ours_in_the_engines_chunks": chunked,  # the same prompt in the engine's launches
     }
 
 
