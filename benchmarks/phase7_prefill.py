@@ -21,7 +21,7 @@ and ours with each launch lever off in turn (`LEVERS`: two pipeline stages inste
 query tiles in launch order instead of longest first). Past 16,384 tokens also the launches the
 engine makes for that prompt (chunks of ENGINE_CHUNK queries, each attending to the keys before
 its end), with the default config and each lever off: one 32,000-token launch is not what the
-engine runs.
+engine runs. At the longest length, a few other tiles (`TILE_SWEEP`) beside the default.
 
 Goal (issue 26): phase 7 >= transformers at every length.
 
@@ -53,6 +53,14 @@ LEVERS = {  # the kernel's launch levers, each turned off alone in the kernel ro
     "query tiles in launch order, not longest first": {"longest_first": False},
 }
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+TILE_SWEEP = [  # other tiles, timed at the longest length only: is 32k's best the default?
+    {"block_n": 64},
+    {"block_n": 64, "num_stages": 4},
+    {"block_m": 64, "num_warps": 4},
+    {"block_m": 64, "block_n": 64, "num_warps": 4},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4},
+    {"num_warps": 4, "block_n": 64},
+]
 ENGINE_CHUNK = 16384  # LLM's default token budget: a longer prompt is prefilled in chunks
 PROMPT_SEED, PROMPT_ID_RANGE = 0, 10000
 
@@ -105,7 +113,7 @@ def attention_flops(n: int) -> float:
     return 4 * NUM_HEADS * HEAD_DIM * n * n / 2  # QK^T and PV over the causal half
 
 
-def kernel_row(n: int) -> dict:
+def kernel_row(n: int, sweep: bool = False) -> dict:
     """Our prefill kernel (paged, block size 16, blocks in random order) and SDPA's own pick."""
     dev, dtype = "cuda", torch.bfloat16
     num_blocks = triton.cdiv(n, BLOCK_SIZE)
@@ -142,6 +150,15 @@ def kernel_row(n: int) -> dict:
     default = default_prefill_config(HEAD_DIM, q.device)
     ours_ms = ours(default)
     levers_off = {name: ours(replace(default, **change)) for name, change in LEVERS.items()}
+    tiles = None
+    if sweep:
+        tiles = []
+        for change in TILE_SWEEP:
+            config = replace(default, **change)
+            try:
+                tiles.append({"config": config.__dict__, "ms": ours(config)})
+            except Exception as e:  # a tile past the shared memory: recorded, not fatal
+                tiles.append({"config": config.__dict__, "error": f"{type(e).__name__}: {e}"[:200]})
     chunked = None
     if n > ENGINE_CHUNK:
         chunked = {"chunk_tokens": ENGINE_CHUNK, "ours_ms": ours_in_chunks(default)}
@@ -163,6 +180,7 @@ def kernel_row(n: int) -> dict:
         "ours_over_sdpa": sdpa_ms / ours_ms,
         "ours_ms_with_one_lever_off": levers_off,
         "ours_in_the_engines_chunks": chunked,  # the same prompt in the engine's launches
+        "other_tiles": tiles,
     }
 
 
@@ -209,7 +227,7 @@ def main():
         }
         for n in lengths
     ]
-    result["attention_kernel"] = [kernel_row(n) for n in lengths]
+    result["attention_kernel"] = [kernel_row(n, sweep=n == lengths[-1]) for n in lengths]
     ratios = [r["phase7_over_transformers"] for r in result["end_to_end"]]
     result["summary"] = {
         "phase7_over_transformers_by_length": {
