@@ -26,7 +26,8 @@ engine runs. At the longest length, a few other tiles (`TILE_SWEEP`) beside the 
 Goal (issue 26): phase 7 >= transformers at every length.
 
 Run (CUDA machine): python -m benchmarks.phase7_prefill [--quick] [--out DIR]
-Writes phase7_prefill.json into the --out directory.
+Writes phase7_prefill.json into the --out directory, rewritten after each part, so that a run
+cut short keeps the parts that finished.
 """
 
 import gc
@@ -227,7 +228,11 @@ def main():
         }
         for n in lengths
     ]
-    result["attention_kernel"] = [kernel_row(n, sweep=n == lengths[-1]) for n in lengths]
+    write_result("phase7_prefill", result, args.out)  # a run cut short keeps what finished
+    result["attention_kernel"] = []
+    for n in lengths:
+        result["attention_kernel"].append(kernel_row(n, sweep=n == lengths[-1]))
+        write_result("phase7_prefill", result, args.out)
     ratios = [r["phase7_over_transformers"] for r in result["end_to_end"]]
     result["summary"] = {
         "phase7_over_transformers_by_length": {
