@@ -18,10 +18,12 @@ Beside it, the attention kernels alone at each length (causal, one sequence, 16 
 heads of 128, bf16, L2 flushed, median): our varlen paged prefill at block size 16 with the
 default config, against torch SDPA with the backend it picks itself (what transformers calls);
 and ours with each launch lever off in turn (`LEVERS`: two pipeline stages instead of three,
-query tiles in launch order instead of longest first). Past 16,384 tokens also the launches the
-engine makes for that prompt (chunks of ENGINE_CHUNK queries, each attending to the keys before
-its end), with the default config and each lever off: one 32,000-token launch is not what the
-engine runs. At the longest length, a few other tiles (`TILE_SWEEP`) beside the default.
+query tiles in launch order instead of longest first, longest first even past 16,384 tokens of
+context). Past 16,384 tokens also the launches the engine makes for that prompt (chunks of
+ENGINE_CHUNK queries, each attending to the keys before its end, its block table as wide as that
+end), with the default config and each lever off: one 32,000-token launch is not what the engine
+runs. At the longest length, a few other tiles (`TILE_SWEEP`) beside the default, and the whole
+engine with ENGINE_LEVER off, then with the default again.
 
 Goal (issue 26): phase 7 >= transformers at every length.
 
@@ -34,6 +36,7 @@ import gc
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +46,7 @@ from triton.testing import do_bench
 import phase7_optim
 from benchmarks.harness import Timer, benchmark_parser, parse_args, write_result
 from benchmarks.phase6_qwen3_gpu import save_checkpoint
-from phase7_optim.kernels import flash_attn_varlen_paged
+from phase7_optim.kernels import flash_attn_varlen_paged, flash_prefill
 from phase7_optim.kernels.flash_prefill import default_prefill_config
 
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32000]
@@ -52,6 +55,7 @@ REPEATS = 3
 LEVERS = {  # the kernel's launch levers, each turned off alone in the kernel rows (ablation)
     "two pipeline stages (the config before 2026-12-05)": {"num_stages": 2},
     "query tiles in launch order, not longest first": {"longest_first": False},
+    "longest first at every context length": {"longest_first_max_context": 2**31 - 1},
 }
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
 TILE_SWEEP = [  # other tiles, timed at the longest length only: is 32k's best the default?
@@ -62,6 +66,7 @@ TILE_SWEEP = [  # other tiles, timed at the longest length only: is 32k's best t
     {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4},
     {"num_warps": 4, "block_n": 64},
 ]
+ENGINE_LEVER = "longest first at every context length"  # also run off end to end (32k)
 ENGINE_CHUNK = 16384  # LLM's default token budget: a longer prompt is prefilled in chunks
 PROMPT_SEED, PROMPT_ID_RANGE = 0, 10000
 
@@ -81,7 +86,10 @@ def best_seconds(fn) -> float:
     return min(times)
 
 
-def run_phase7(checkpoint: Path, lengths: list[int]) -> dict[int, float]:
+def run_phase7(checkpoint: Path, lengths: list[int]) -> tuple[dict[int, float], dict]:
+    """The sweep's seconds per length, then at the longest length the engine with
+    ENGINE_LEVER off (the engine picks its prefill config itself, so the default is swapped for
+    that run) against the default once more, in the same process."""
     llm = phase7_optim.LLM(checkpoint, dtype="bfloat16", enable_prefix_caching=False)
     params = phase7_optim.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     seconds = {}
@@ -89,7 +97,19 @@ def run_phase7(checkpoint: Path, lengths: list[int]) -> dict[int, float]:
         ids = prompt(n)
         seconds[n] = best_seconds(lambda ids=ids: llm.generate([ids], params, use_tqdm=False))
         print(f"phase 7       {n:6d} tokens: {seconds[n] * 1e3:8.1f} ms", flush=True)
-    return seconds
+    ids, default = prompt(lengths[-1]), flash_prefill.default_prefill_config
+
+    def lever_off(head_dim, device):
+        return replace(default(head_dim, device), **LEVERS[ENGINE_LEVER])
+
+    with mock.patch.object(flash_prefill, "default_prefill_config", lever_off):
+        off = best_seconds(lambda: llm.generate([ids], params, use_tqdm=False))
+    again = best_seconds(lambda: llm.generate([ids], params, use_tqdm=False))
+    print(f"phase 7 {lengths[-1]} tokens, {ENGINE_LEVER}: {off * 1e3:.1f} ms "
+          f"(default: {seconds[lengths[-1]] * 1e3:.1f}, again {again * 1e3:.1f})")  # fmt: skip
+    ablation = {"lever_off": ENGINE_LEVER, "tokens": lengths[-1], "lever_off_s": off,
+                "default_s": [seconds[lengths[-1]], again]}  # fmt: skip
+    return seconds, ablation
 
 
 def run_transformers(checkpoint: Path, lengths: list[int]) -> tuple[dict[int, float], str]:
@@ -140,10 +160,13 @@ def kernel_row(n: int, sweep: bool = False) -> dict:
         locs = [torch.tensor([0, end - start], device=dev, dtype=torch.int32)
                 for start, end in zip(starts, ends, strict=True)]  # fmt: skip
 
+        # as wide as the engine's table at that step: its width picks the launch order
+        tables = [table[:, : triton.cdiv(end, BLOCK_SIZE)] for end in ends]
+
         def launches():
-            for start, end, loc, seq_len in zip(starts, ends, locs, lens, strict=True):
+            for start, end, loc, seq_len, t in zip(starts, ends, locs, lens, tables, strict=True):
                 flash_attn_varlen_paged(
-                    q[start:end], k_cache, v_cache, loc, seq_len, table, end - start, scale, config
+                    q[start:end], k_cache, v_cache, loc, seq_len, t, end - start, scale, config
                 )
 
         return do_bench(launches)
@@ -215,7 +238,7 @@ def main():
         theirs, impl = run_transformers(checkpoint, lengths)
         gc.collect()  # the transformers model, if a reference cycle holds it
         torch.cuda.empty_cache()
-        ours = run_phase7(checkpoint, lengths)
+        ours, engine_ablation = run_phase7(checkpoint, lengths)
     result["baseline"] = f"transformers Qwen3ForCausalLM, attn_implementation={impl}, bf16"
     result["end_to_end"] = [
         {
@@ -228,6 +251,7 @@ def main():
         }
         for n in lengths
     ]
+    result["end_to_end_lever_off"] = engine_ablation
     write_result("phase7_prefill", result, args.out)  # a run cut short keeps what finished
     result["attention_kernel"] = []
     for n in lengths:

@@ -22,7 +22,12 @@ tiles of a long prompt cost the most. The grid runs heads fastest and query tile
 to the first, so the long programs start in the first waves and short ones fill the tail (a
 scheduler's longest-processing-time-first rule); in launch order, the last tiles of the last
 head would start last and run alone. `PrefillConfig.longest_first=False` launches in that order
-(the benchmark's ablation).
+(the benchmark's ablation). Past `longest_first_max_context` tokens of context (16,384) the
+launch goes in that order anyway: a 32,000-token prompt has ~4,000 query tiles of 128 rows, 30
+waves on an H100, so the tail is a small share, and launch order measured faster there (4-5 %
+for the whole prompt in one launch, 2 % for the engine's second 16,384-token chunk; equal at 16k,
+20-30 % slower at 2-8k; benchmarks/phase7_prefill.py). Why it wins is not profiled: one guess is
+that neighbouring tiles of one head, started together, read the same keys while L2 holds them.
 
 Invariants:
 - query row m of sequence i has position seq_len_i - q_len_i + m and sees keys 0 … that position;
@@ -54,6 +59,7 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     longest_first: bool = True  # grid (head, query tile last to first); else (tile, head) in order
+    longest_first_max_context: int = 16_384  # past it (the longest context), in order anyway
 
     def __post_init__(self):
         for tile in (self.block_m, self.block_n):
@@ -172,7 +178,8 @@ def flash_attn_varlen_paged(
 
     query_start_loc: int32 `[num_seqs + 1]`, cu_seqlens of the new tokens in `q`.
     seq_lens: int32 `[num_seqs]`, context length including the new tokens.
-    block_tables: int32 `[num_seqs, max_blocks_per_seq]`.
+    block_tables: int32 `[num_seqs, max_blocks_per_seq]`; its width x block size is taken as
+    the longest context, which picks the launch order (`longest_first_max_context`).
     max_query_len: the longest q_len (a host int, so the launch needs no device sync).
     out: where to write (q's shape and dtype), else a new tensor. Returns it.
     first_seq: sequences before it are skipped, their rows of `out` left as they are (a mixed
@@ -194,7 +201,10 @@ def flash_attn_varlen_paged(
     if num_tokens == 0 or first_seq == num_seqs:
         return out
     query_tiles = triton.cdiv(max_query_len, config.block_m)
-    if config.longest_first:
+    # the block table is as wide as the batch's longest context (a host int: no device sync)
+    longest_context = block_tables.shape[1] * block_size
+    longest_first = config.longest_first and longest_context <= config.longest_first_max_context
+    if longest_first:
         grid = (num_heads, query_tiles, num_seqs - first_seq)
     else:
         grid = (query_tiles, num_heads, num_seqs - first_seq)
@@ -210,7 +220,7 @@ def flash_attn_varlen_paged(
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        LONGEST_FIRST=config.longest_first,
+        LONGEST_FIRST=longest_first,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

@@ -8,7 +8,7 @@ are the ones that prove the kernels on hardware: `pytest -m gpu tests/phase7` on
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -208,7 +208,9 @@ def test_flash_prefill_uneven_tiles(block_m, block_n):
 def test_flash_prefill_starts_the_longest_query_tiles_first(monkeypatch):
     """The grid runs heads fastest and query tiles last to first (a causal prompt's last tiles
     cost the most): the launch is (heads, query tiles, sequences) and program 0 of axis 1 takes
-    the last tile. Results cannot show an order, so this reads the launch and the kernel."""
+    the last tile. Past `longest_first_max_context` tokens of context (read from the block
+    table's width) the tiles go in launch order. Results cannot show an order, so this reads the
+    launch and the kernel."""
     import inspect
 
     from phase7_optim.kernels import flash_prefill
@@ -226,7 +228,11 @@ def test_flash_prefill_starts_the_longest_query_tiles_first(monkeypatch):
     in_order = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1,
                              longest_first=False)  # fmt: skip
     check_prefill(batch, in_order)  # the ablation's order computes the same
-    assert grids == [(4, 3, 2), (3, 4, 2)]  # 4 heads, cdiv(37, 16) query tiles, 2 sequences
+    widest = batch.block_tables.shape[1] * 8  # the longest context the table can hold: 72
+    for max_context in (widest, widest - 1):
+        check_prefill(batch, replace(config, longest_first_max_context=max_context))
+    # 4 heads, cdiv(37, 16) query tiles, 2 sequences
+    assert grids == [(4, 3, 2), (3, 4, 2), (4, 3, 2), (3, 4, 2)]
     source = inspect.getsource(kernel.fn)
     ordered = source.partition("if LONGEST_FIRST:")[2].partition("else:")[0]
     assert "head = tl.program_id(0)" in ordered
