@@ -25,9 +25,10 @@ head would start last and run alone. `PrefillConfig.longest_first=False` launche
 (the benchmark's ablation). Past `longest_first_max_context` tokens of context (16,384) the
 launch goes in that order anyway: a 32,000-token prompt has ~4,000 query tiles of 128 rows, 30
 waves on an H100, so the tail is a small share, and launch order measured faster there (4-5 %
-for the whole prompt in one launch, 2 % for the engine's second 16,384-token chunk; equal at 16k,
-20-30 % slower at 2-8k; benchmarks/phase7_prefill.py). Why it wins is not profiled: one guess is
-that neighbouring tiles of one head, started together, read the same keys while L2 holds them.
+for the whole prompt in one launch, 1-2 % for the engine's two 16,384-token chunks of it; equal
+at 16k, 7-39 % slower at 2-8k; benchmarks/phase7_prefill.py). Why it wins is not profiled: one
+guess is that neighbouring tiles of one head, started together, read the same keys while L2
+holds them.
 
 Invariants:
 - query row m of sequence i has position seq_len_i - q_len_i + m and sees keys 0 … that position;
