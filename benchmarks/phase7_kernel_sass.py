@@ -34,6 +34,7 @@ from phase7_optim.kernels import flash_prefill, paged_decode
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100, H200)
 GROUP, BLOCK_SIZE, HEAD_DIM = 2, 16, 128  # Qwen3-0.6B's GQA group, W's block size
 LOOP_MIN_INSTRUCTIONS = 50
+LOCAL = {"LDL", "STL"}  # local-memory loads and stores: what spilled registers cost
 NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)")
 LABEL = re.compile(r"^(\.L_x_\d+):$")
@@ -87,25 +88,62 @@ def compile_loops(source: ASTSource, num_warps: int, num_stages: int, keys: int)
     return {"shared_memory_bytes": compiled.metadata.shared, "loops": found}
 
 
+def decode_source(
+    config: paged_decode.DecodeConfig, cache: str, head_dim: int = HEAD_DIM
+) -> ASTSource:
+    """The decode split kernel as the engine launches it for one sequence's splits."""
+    types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
+             "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "order_ptr": "*i32",
+             "part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "qk_scale": "fp32",
+             "stride_pop": "i32", "stride_lses": "i32", "stride_lseh": "i32"}  # fmt: skip
+    constexprs = dict(
+        QUERY_GROUP_SIZE=GROUP, BLOCK_H=paged_decode.MIN_BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
+        HEAD_DIM=head_dim, BLOCK_N=config.block_n, DIRECT=True, ORDERED=True,
+        WHOLE_TILES=config.whole_tiles, EARLY=config.early_loads, PDL=True,
+    )  # fmt: skip
+    return signature(paged_decode._paged_decode_split_kernel, types, constexprs)
+
+
 def decode_rows(caches: tuple[str, ...] = ("bf16", "fp8e4nv")) -> list[dict]:
     tuned = paged_decode.TUNED_DECODE_CONFIG
     rows = []
     for cache in caches:
         for config in (tuned, replace(tuned, whole_tiles=False)):
-            types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
-                     "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "order_ptr": "*i32",
-                     "part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "qk_scale": "fp32",
-                     "stride_pop": "i32", "stride_lses": "i32", "stride_lseh": "i32"}  # fmt: skip
-            constexprs = dict(
-                QUERY_GROUP_SIZE=GROUP, BLOCK_H=paged_decode.MIN_BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
-                HEAD_DIM=HEAD_DIM, BLOCK_N=config.block_n, DIRECT=True, ORDERED=True,
-                WHOLE_TILES=config.whole_tiles, PDL=True,
-            )  # fmt: skip
-            source = signature(paged_decode._paged_decode_split_kernel, types, constexprs)
+            source = decode_source(config, cache)
             result = compile_loops(source, config.num_warps, config.num_stages, config.block_n)
             rows.append({"kernel": "paged decode", "cache": cache,
                          "whole_tiles": config.whole_tiles, **result})  # fmt: skip
     return rows
+
+
+def decode_loads_before_wait(cache: str = "bf16", head_dim: int = HEAD_DIM) -> dict[str, dict]:
+    """With `early_loads` and without: how many global loads (PTX `ld.global`) the decode
+    kernel issues before it waits for the kernel before it (`griddepcontrol.wait`), and how many
+    local-memory loads and stores (registers spilled) its machine code holds."""
+    counts = {}
+    for early in (True, False):
+        config = replace(paged_decode.TUNED_DECODE_CONFIG, early_loads=early)
+        compiled = triton.compile(
+            decode_source(config, cache, head_dim), target=TARGET,
+            options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+        )  # fmt: skip
+        ptx = compiled.asm["ptx"].partition("griddepcontrol.wait")[0]
+        counts[f"early_loads={early}"] = {
+            "loads_before_wait": len(re.findall(r"\bld\.global", ptx)),
+            "spill_instructions": spills(compiled.asm["cubin"]),
+        }
+    return counts
+
+
+def spills(cubin: bytes) -> int:
+    """Local-memory loads and stores (LDL, STL) in a compiled kernel: registers spilled."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [str(NVDISASM), "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    return sum(1 for line in sass if (m := INSTRUCTION.match(line)) and m.group(1) in LOCAL)
 
 
 def prefill_row() -> dict:
@@ -134,7 +172,14 @@ def main():
         counts = ", ".join(str(loop["instructions"]) for loop in r["loops"])
         flag = f" whole_tiles={r['whole_tiles']}" if "whole_tiles" in r else ""
         print(f"{r['kernel']} {r['cache']}{flag}: loops of {counts} instructions a thread")
-    result = {"target": "sm_90", "triton": triton.__version__, "rows": rows}
+    loads = {
+        f"{cache}, head_dim {head_dim}": decode_loads_before_wait(cache, head_dim)
+        for cache in ("bf16", "fp8e4nv")
+        for head_dim in (HEAD_DIM, 256)
+    }
+    print(f"paged decode, global loads before the wait: {loads}")
+    result = {"target": "sm_90", "triton": triton.__version__, "rows": rows,
+              "decode_loads_before_wait": loads}  # fmt: skip
     print(f"wrote {write_result('phase7_kernel_sass', result, args.out)}")
 
 

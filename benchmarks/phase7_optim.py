@@ -14,7 +14,8 @@ weights' values) with the real Qwen3 tokenizer files beside it:
 4. with --ablation, the `ablation` table: per lever (`LEVERS`: CUDA graphs and the kernel levers
    of config.KernelConfig), the engine with that one lever off, W's tok/s and single-stream
    ms/token, and what one decode step launches (torch.profiler, at batch 1 and 64): kernels per
-   step and GPU µs per kernel kind. The all-on row is the same engine as 1. and 3.
+   step, GPU µs per kernel kind, and each kind's share of the step's span (`chain_us`: with
+   programmatic dependent launch the GPU µs overlap). The all-on row is the same engine as 1. and 3.
 Targets: W >= 24,000 output tok/s (66 % of its byte floor; the next mark is 30,000), single stream
 <= 1.0 ms/token (the next mark 0.7); where short, the JSON says by
 how much and what bounds it.
@@ -32,11 +33,14 @@ it from a checkout of each commit in turn, on one device, alternating (old, new,
 """
 
 import argparse
+import contextlib
 import re
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -82,6 +86,7 @@ LEVERS = {  # ablation row: the engine settings of that row (one lever off, or a
     "no SiLU-and-mul in the down GEMV": {"fuse_silu_into_gemv": False},
     "no add + RMSNorm in the QKV and gate_up GEMVs": {"fold_norm_into_gemv": False},
     "no programmatic dependent launch": {"programmatic_launch": False},
+    "decode attention's first key tile after the wait": {"decode_early_loads": False},
     "LM head in no CUDA graph": {"lm_head_graph_max_batch": 0},
     "LM head in every CUDA graph": {"lm_head_graph_max_batch": 256},
     "no kernel levers": KERNEL_LEVERS_OFF,
@@ -90,6 +95,7 @@ LEVERS = {  # ablation row: the engine settings of that row (one lever off, or a
 }
 PROFILE_BATCHES = (1, 64)
 PROFILE_STEPS = 4
+TIMELINE_KERNELS = 40  # the first step's first kernels, each with its share of the span
 # --w-kernels: the steps of one W run that torch.profiler records (a whole run is ~300k kernels):
 # the prefill and mixed steps, then decode at the batch sizes W passes through on its way down
 W_KERNEL_WINDOWS = ((0, 12), (100, 120), (450, 470), (650, 670), (850, 870), (960, 980))
@@ -314,22 +320,36 @@ def profile_decode_step(llm: phase7_optim.LLM, batch: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     kinds: dict[str, dict] = {}
-    for event in prof.events():
-        if event.device_type != DeviceType.CUDA:
-            continue
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    # With programmatic dependent launch a kernel starts while the one before it drains and its
+    # profiled time includes that wait, so GPU µs overlap. `chain_us` attributes the step's span
+    # instead: each kernel (in order of finishing) is charged from when the one before finished,
+    # or from its own start if that came later (the gap is `idle`): what leaving it out could save.
+    idle, previous_end, timeline = 0.0, None, []
+    for event in sorted(events, key=lambda e: e.time_range.end):
+        start, end = event.time_range.start, event.time_range.end
         kind = kernel_kind(event.name)
-        entry = kinds.setdefault(kind, {"launches": 0, "gpu_us": 0.0})
+        entry = kinds.setdefault(kind, {"launches": 0, "gpu_us": 0.0, "chain_us": 0.0})
         entry["launches"] += 1
         entry["gpu_us"] += event.time_range.elapsed_us()
+        previous_end = start if previous_end is None else previous_end
+        idle += max(0.0, start - previous_end)
+        entry["chain_us"] += end - max(start, previous_end)
+        if len(timeline) < TIMELINE_KERNELS:
+            timeline.append([kind, round(end - max(start, previous_end), 2)])
+        previous_end = end
     per_step = {
-        k: {"launches": v["launches"] / PROFILE_STEPS, "gpu_us": v["gpu_us"] / PROFILE_STEPS}
-        for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["gpu_us"])
+        k: {name: value / PROFILE_STEPS for name, value in v.items()}
+        for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["chain_us"])
     }
     return {
         "batch": batch,
         "launches_per_step": sum(v["launches"] for v in per_step.values()),
         "kernel_gpu_us_per_step": sum(v["gpu_us"] for v in per_step.values()),
+        "chain_us_per_step": sum(v["chain_us"] for v in per_step.values()),
+        "idle_us_per_step": idle / PROFILE_STEPS,
         "per_kind": per_step,
+        "first_kernels": timeline,  # [kind, chain µs] in order: which of a layer's kernels cost
     }
 
 
@@ -404,6 +424,21 @@ def kernel_kind(name: str) -> str:
     return re.sub(r"<.*", "", name).split("(")[0].strip()[:80]
 
 
+@contextlib.contextmanager
+def decode_config(early_loads: bool):
+    """Decode attention's `early_loads` (a DecodeConfig field, kernels/paged_decode.py, not an
+    engine argument) as given: the default config swapped in this process while it is open."""
+    from phase7_optim import kernels
+
+    default = kernels.default_decode_config
+
+    def swapped(*args, **kwargs):
+        return replace(default(*args, **kwargs), early_loads=early_loads)
+
+    with mock.patch.object(kernels, "default_decode_config", swapped):
+        yield
+
+
 def ablation(checkpoint: Path, workload: list[Request], levers: dict[str, dict], save=None) -> dict:
     """Each row: the engine with these settings; W tok/s, single-stream ms/token, and what a
     decode step launches at batch 1 (the single-stream engine) and 64 (the W engine). `save`,
@@ -411,16 +446,19 @@ def ablation(checkpoint: Path, workload: list[Request], levers: dict[str, dict],
     rows = {}
     for name, settings in levers.items():
         row: dict = {"settings": settings}
+        engine_settings = {k: v for k, v in settings.items() if k != "decode_early_loads"}
         eager = settings.get("enforce_eager", False)
-        kernel_settings = {k: v for k, v in settings.items() if k != "enforce_eager"}
-        single = single_stream(checkpoint, eager, profile=True, **kernel_settings)
-        row["single_stream_ms_per_token"] = single["ms_per_token"]
-        row["decode_step_b1"] = single["decode_step_b1"]
-        torch.cuda.empty_cache()
-        llm = make_llm(checkpoint, workload, **settings)
-        row["w_tok_s"] = throughput(llm, workload)["tok_s"]
-        row["decode_step_b64"] = profile_decode_step(llm, 64)
-        del llm
+        kernel_settings = {k: v for k, v in engine_settings.items() if k != "enforce_eager"}
+        early = settings.get("decode_early_loads")  # None: the engine's own decode config
+        with contextlib.nullcontext() if early is None else decode_config(early):
+            single = single_stream(checkpoint, eager, profile=True, **kernel_settings)
+            row["single_stream_ms_per_token"] = single["ms_per_token"]
+            row["decode_step_b1"] = single["decode_step_b1"]
+            torch.cuda.empty_cache()
+            llm = make_llm(checkpoint, workload, **engine_settings)
+            row["w_tok_s"] = throughput(llm, workload)["tok_s"]
+            row["decode_step_b64"] = profile_decode_step(llm, 64)
+            del llm
         torch.cuda.empty_cache()
         rows[name] = row
         print(

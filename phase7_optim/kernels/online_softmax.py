@@ -33,6 +33,31 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def operand_query(q, k_cache_ptr):
+    """q in the dtype both products run in. An fp8 cache is widened in registers, and under a
+    bf16 query to fp16, not bf16: e4m3 -> fp16 is exact and one instruction per two values,
+    e4m3 -> bf16 three (through fp16 and fp32), enough conversions to make the kernel
+    compute-bound. The query goes to fp16 with it (exact for |q| in 2^-14 .. 65504); p, in
+    [0, 1], loses nothing either."""
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
+def softmax_step(qk, m_i, l_i, qk_scale):
+    """One tile's scores `qk` (rows, keys; unscaled, -inf where hidden) into the running max and
+    sum: the tile's probabilities p, the factor alpha that rescales what was summed under the
+    old max, and the new l_i and m_i. The caller adds p @ V to acc * alpha."""
+    # the scale goes on the row max (qk_scale > 0: it commutes with max) and into exp2's
+    # argument as one fused multiply-add per score, not a multiply and a subtract
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_ij
+
+
 # exercise 7.1: the online softmax over key tiles
 @triton.jit
 def attn_tiles(
@@ -60,12 +85,7 @@ def attn_tiles(
     MASK: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
-    # An fp8 cache is widened in registers, and under a bf16 query to fp16, not bf16: e4m3 ->
-    # fp16 is exact and one instruction per two values, e4m3 -> bf16 three (through fp16 and
-    # fp32), enough conversions to make the kernel compute-bound. The query goes to fp16 with it
-    # (exact for |q| in 2^-14 .. 65504); p, in [0, 1], loses nothing either.
-    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
-        q = q.to(tl.float16)
+    q = operand_query(q, k_cache_ptr)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # key positions
         # paged gather: position -> (physical block, offset in block)
@@ -86,12 +106,7 @@ def attn_tiles(
         if MASK:
             visible = in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
-        # the scale goes on the row max (qk_scale > 0: it commutes with max) and into exp2's
-        # argument as one fused multiply-add per score, not a multiply and a subtract
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)  # rescales what was summed under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_ij = softmax_step(qk, m_i, l_i, qk_scale)
         v_ptrs = v_cache_ptr + block.to(tl.int64)[:, None] * stride_vcb
         v_ptrs += in_block[:, None] * stride_vcs + kv_head * stride_vch + offs_d[None, :]
         if MASK:

@@ -20,6 +20,12 @@ Idea (vLLM's PagedAttention v2, FlashDecoding):
   a split's last, partial tile needs bounds: the whole tiles before it run the loop without
   masks (`whole_tiles`), a third fewer instructions a tile, which matters where the SMs, not
   the memory, are the bound (an fp8 cache, widened in registers; small batches).
+- early loads: launched with programmatic dependent launch (kernels/pdl.py), a program may start
+  while the kernel before it (q/k norm + RoPE + the newest key's store) still runs. Every key but
+  the newest was stored by an earlier step, and the inputs that locate them (seq_lens, order,
+  block tables) were copied in before the step, so the program loads its split's first key tile
+  before it waits, then only the newest key if its tile holds it (`early_loads`). At batch 1 a
+  split is one tile: the whole read overlaps the kernel before.
 - longest first: a program's work is its sequence's context over num_splits, and W's contexts
   span 100-2,000 tokens, so in batch order a long sequence whose programs start last finishes
   alone while most SMs idle (the tail of the launch). Given `order` (the sequences sorted by
@@ -40,6 +46,8 @@ Invariants:
   num_splits key tiles) is empty, writes lse = -inf and gets weight 0.
 - lse is in log2 units, like the scores (scale is pre-multiplied by log2(e)).
 - `order` is a permutation of the batch: it changes when programs start, never what they compute.
+- before its wait a program reads only the inputs and keys at positions < seq_len - 1, never q
+  or the newest key (the previous kernel's writes), and writes nothing.
 """
 
 from dataclasses import dataclass, replace
@@ -48,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .online_softmax import attn_tiles
+from .online_softmax import attn_tiles, operand_query, softmax_step
 from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
 LOG2_E = 1.4426950408889634
@@ -70,6 +78,7 @@ class DecodeConfig:
     pdl: bool = False  # programmatic dependent launch: start while the kernel before finishes
     longest_first: bool = False  # the caller's `order` is used: longest contexts start first
     whole_tiles: bool = False  # a split's whole key tiles without masks, then the partial one
+    early_loads: bool = False  # with pdl: a split's first key tile is loaded before the wait
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n != triton.next_power_of_2(self.block_n):
@@ -108,6 +117,17 @@ TUNED_DECODE_CONFIG = DecodeConfig(
 TUNED_FP8_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, block_n=32, num_warps=2)
 FP8_TILE_MIN_SEQS = 16  # the smallest batch the sweep measured the fp8 tile faster at
 
+# Early loads (2026-12-07, H100, benchmarks/phase7_optim.py's ablation, four A/B pairs): single
+# stream 0.836 / 0.909 / 0.896 / 0.909 ms a token with them, 0.948 / 0.942 / 0.947 / 0.943
+# without; the kernel's share of a batch-1 step 6.1 -> 5.0 µs a layer. Holding the first tile
+# across the wait takes registers (92 -> 142 a thread, bf16), fewer programs fit an SM, and at
+# batch 64 the kernel was no faster (53.7 against 52.9 µs a layer): only small batches, whose
+# steps are latency, not bandwidth, take them.
+FEW_SEQS_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, early_loads=True)
+# Qwen3.5's 256-wide heads: a 64-key tile of K and V held across the wait spills registers on
+# sm_90 (benchmarks/phase7_kernel_sass.py counts local-memory loads and stores): no early loads.
+EARLY_LOADS_MAX_HEAD_DIM = 128
+
 
 def default_decode_config(
     device: torch.device,
@@ -118,13 +138,14 @@ def default_decode_config(
     if device.type != "cuda":  # the interpreter: small tiles keep the CPU tests quick
         return DecodeConfig(
             block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned,
-            longest_first=tuned, whole_tiles=tuned,
+            longest_first=tuned, whole_tiles=tuned, early_loads=tuned,
         )  # fmt: skip
     if not tuned:
         return BASELINE_DECODE_CONFIG
-    many = num_seqs is None or num_seqs >= FP8_TILE_MIN_SEQS
+    if num_seqs is not None and num_seqs < FP8_TILE_MIN_SEQS:
+        return FEW_SEQS_DECODE_CONFIG
     fp8 = cache_dtype == torch.float8_e4m3fn
-    return TUNED_FP8_DECODE_CONFIG if fp8 and many else TUNED_DECODE_CONFIG
+    return TUNED_FP8_DECODE_CONFIG if fp8 else TUNED_DECODE_CONFIG
 
 
 def choose_num_splits(
@@ -170,10 +191,12 @@ def _paged_decode_split_kernel(
     DIRECT: tl.constexpr,  # one split: part_out_ptr is the output, (seq, head) rows, its dtype
     ORDERED: tl.constexpr,  # grid (split, head, rank): the rank-th sequence is order[rank]
     WHOLE_TILES: tl.constexpr,  # [lo, whole_hi) unmasked, then [whole_hi, hi) masked
+    EARLY: tl.constexpr,  # the first key tile's older keys are loaded before the wait
     PDL: tl.constexpr,
 ):
     launch_dependents(PDL)  # the merge (or o_proj's GEMV) may be scheduled as this one drains
-    wait_for_previous(PDL)  # q and the newest key are the previous kernel's writes
+    if not EARLY:
+        wait_for_previous(PDL)  # q and the newest key are the previous kernel's writes
     if ORDERED:  # programs start in grid order: every program of the longest sequence first
         split, num_splits = tl.program_id(0), tl.num_programs(0)
         seq = tl.load(order_ptr + tl.program_id(2))
@@ -188,6 +211,25 @@ def _paged_decode_split_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
+    if EARLY:  # the inputs (seq_lens, order, block tables) were copied in before the step
+        offs_n = lo + tl.arange(0, BLOCK_N)
+        first = offs_n < hi
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=first, other=0)
+        k_ptrs = k_cache_ptr + block.to(tl.int64)[:, None] * stride_kcb
+        k_ptrs += (offs_n % BLOCK_SIZE)[:, None] * stride_kcs + kv_head * stride_kch
+        v_ptrs = v_cache_ptr + block.to(tl.int64)[:, None] * stride_vcb
+        v_ptrs += (offs_n % BLOCK_SIZE)[:, None] * stride_vcs + kv_head * stride_vch
+        # keys before the newest were stored by earlier steps: read while the kernel before
+        # this one (which stores the newest) still runs
+        older = (first & (offs_n < seq_len - 1))[:, None]
+        k_first = tl.load(k_ptrs + offs_d[None, :], mask=older, other=0.0)
+        v_first = tl.load(v_ptrs + offs_d[None, :], mask=older, other=0.0)
+        wait_for_previous(PDL)
+        newest = (first & (offs_n == seq_len - 1))[:, None]  # in the last split's tile only
+        k_first = tl.where(newest, tl.load(k_ptrs + offs_d[None, :], mask=newest), k_first)
+        v_first = tl.where(newest, tl.load(v_ptrs + offs_d[None, :], mask=newest), v_first)
+
     heads = kv_head * QUERY_GROUP_SIZE + offs_h  # the query heads sharing this KV head
     head_mask = (offs_h < QUERY_GROUP_SIZE)[:, None]
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :]
@@ -197,7 +239,14 @@ def _paged_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     q_pos = seq_len - 1 + tl.zeros([BLOCK_H], dtype=tl.int32)  # the newest position: sees all
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
+    if EARLY:
+        if lo < hi:  # an empty split folds nothing: all -inf scores would make NaNs
+            q_op = operand_query(q, k_cache_ptr)
+            qk = tl.dot(q_op, tl.trans(k_first.to(q_op.dtype)))
+            qk = tl.where(first[None, :], qk, float("-inf"))
+            p, alpha, l_i, m_i = softmax_step(qk, m_i, l_i, qk_scale)
+            acc = tl.dot(p.to(q_op.dtype), v_first.to(q_op.dtype), acc * alpha[:, None])
+        lo += BLOCK_N
     if WHOLE_TILES:  # every key < hi is visible: only the last tile can run past the end
         whole_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = attn_tiles(
@@ -340,6 +389,7 @@ def paged_decode_attention(
         DIRECT=direct,
         ORDERED=ordered,
         WHOLE_TILES=config.whole_tiles,
+        EARLY=config.early_loads and head_dim <= EARLY_LOADS_MAX_HEAD_DIM,
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

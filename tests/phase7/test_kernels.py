@@ -449,12 +449,10 @@ def test_gpu_paged_decode_padded_rows_read_nothing():
     assert torch.equal(out[[0, 2]], expected[[0, 2]])
 
 
-def test_whole_decode_tiles_compile_to_fewer_instructions():
-    """`whole_tiles` is a speed lever, and no CPU test times anything; what it does can still be
-    checked: compiled for the H200 by Triton's own ptxas (no GPU needed), the decode kernel's
-    unmasked loop must cost well under the masked loop's instructions a tile (310 against 464
-    with Triton 3.6). Compiled in a fresh interpreter: here TRITON_INTERPRET=1 makes every
-    kernel an interpreted one."""
+def compiled_for_hopper(code: str):
+    """What `code` prints last (JSON), run in a fresh interpreter without TRITON_INTERPRET
+    (which here makes every kernel an interpreted one), so Triton compiles for sm_90 with its own
+    ptxas: no GPU needed."""
     import json
     import subprocess
     import sys
@@ -463,16 +461,38 @@ def test_whole_decode_tiles_compile_to_fewer_instructions():
 
     if not phase7_kernel_sass.NVDISASM.exists():
         pytest.skip("this Triton has no NVIDIA backend tools")
-    code = (
-        "import json; from benchmarks.phase7_kernel_sass import decode_rows; print(json.dumps("
-        "[[r['whole_tiles'], min(x['instructions'] for x in r['loops'])] for r in "
-        "decode_rows(('bf16',))]))"
-    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
         cwd=phase7_kernel_sass.__file__.rsplit("/benchmarks/", 1)[0],
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    counts = dict(json.loads(done.stdout.splitlines()[-1]))
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_whole_decode_tiles_compile_to_fewer_instructions():
+    """`whole_tiles` is a speed lever, and no CPU test times anything; what it does can still be
+    checked: compiled for the H200, the decode kernel's unmasked loop must cost well under the
+    masked loop's instructions a tile (310 against 464 with Triton 3.6)."""
+    counts = dict(compiled_for_hopper(
+        "import json; from benchmarks.phase7_kernel_sass import decode_rows; print(json.dumps("
+        "[[r['whole_tiles'], min(x['instructions'] for x in r['loops'])] for r in "
+        "decode_rows(('bf16',))]))"
+    ))  # fmt: skip
     assert counts[True] <= 0.75 * counts[False], counts  # masked loads back in: 0.80
+
+
+def test_early_decode_loads_read_the_first_key_tile_before_the_wait():
+    """`early_loads` is a speed lever too: compiled for the H200 with programmatic dependent
+    launch, the decode kernel must issue its first key tile's loads (K and V, 16 KB each for a
+    64-key tile of 128-wide bf16 heads over 128 threads: 8 vector loads a thread apiece) before
+    `griddepcontrol.wait`, and without the lever no load at all (26 against 0, Triton 3.6).
+    That the newest key is read only after the wait, the interpreter cannot show (it has no
+    kernel before this one); the split tests show it is read at all."""
+    counts = compiled_for_hopper(
+        "import json; from benchmarks.phase7_kernel_sass import decode_loads_before_wait; "
+        "print(json.dumps(decode_loads_before_wait()))"
+    )
+    assert counts["early_loads=False"]["loads_before_wait"] == 0, counts
+    assert counts["early_loads=True"]["loads_before_wait"] >= 16, counts
+    assert counts["early_loads=True"]["spill_instructions"] == 0, counts  # Qwen3's 128-wide heads
