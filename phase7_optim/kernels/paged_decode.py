@@ -117,12 +117,13 @@ TUNED_DECODE_CONFIG = DecodeConfig(
 TUNED_FP8_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, block_n=32, num_warps=2)
 FP8_TILE_MIN_SEQS = 16  # the smallest batch the sweep measured the fp8 tile faster at
 
-# Early loads (2026-12-07, H100, benchmarks/phase7_optim.py's ablation, four A/B pairs): single
-# stream 0.836 / 0.909 / 0.896 / 0.909 ms a token with them, 0.948 / 0.942 / 0.947 / 0.943
-# without; the kernel's share of a batch-1 step 6.1 -> 5.0 µs a layer. Holding the first tile
-# across the wait takes registers (92 -> 142 a thread, bf16), fewer programs fit an SM, and at
-# batch 64 the kernel was no faster (53.7 against 52.9 µs a layer): only small batches, whose
-# steps are latency, not bandwidth, take them.
+# Early loads (2026-12-07, H100, benchmarks/phase7_optim.py's ablation, six A/B pairs in one
+# process each, benchmarks/results/phase7_optim_ablation_early_decode_loads_h100.json): single
+# stream 0.836-0.911 ms a token with them, 0.938-0.948 without; the kernel's share of a batch-1
+# step 6.0-6.5 -> 4.9-5.0 µs a layer. Holding the first tile across the wait takes registers (92
+# -> 142 a thread, bf16), so fewer programs fit an SM, and at batch 64 the kernel was no faster
+# with them (53.4-54.3 µs a layer against 52.6-53.8): only small batches, whose steps are
+# latency, not bandwidth, take them. W was unchanged either way (20.3-20.8k tok/s).
 FEW_SEQS_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, early_loads=True)
 # Qwen3.5's 256-wide heads: a 64-key tile of K and V held across the wait spills registers on
 # sm_90 (benchmarks/phase7_kernel_sass.py counts local-memory loads and stores): no early loads.
