@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.harness import benchmark_parser, parse_args, write_result
-from phase7_optim.kernels import flash_prefill, paged_decode
+from phase7_optim.kernels import flash_prefill, fused, paged_decode
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100, H200)
 GROUP, BLOCK_SIZE, HEAD_DIM = 2, 16, 128  # Qwen3-0.6B's GQA group, W's block size
@@ -123,16 +123,37 @@ def decode_loads_before_wait(cache: str = "bf16", head_dim: int = HEAD_DIM) -> d
     counts = {}
     for early in (True, False):
         config = replace(paged_decode.TUNED_DECODE_CONFIG, early_loads=early)
-        compiled = triton.compile(
-            decode_source(config, cache, head_dim), target=TARGET,
-            options={"num_warps": config.num_warps, "num_stages": config.num_stages},
-        )  # fmt: skip
-        ptx = compiled.asm["ptx"].partition("griddepcontrol.wait")[0]
-        counts[f"early_loads={early}"] = {
-            "loads_before_wait": len(re.findall(r"\bld\.global", ptx)),
-            "spill_instructions": spills(compiled.asm["cubin"]),
-        }
+        source = decode_source(config, cache, head_dim)
+        counts[f"early_loads={early}"] = before_wait(source, config.num_warps, config.num_stages)
     return counts
+
+
+def rope_store_loads_before_wait() -> dict:
+    """The same for q/k norm + RoPE + KV store (kernels/fused.py) at Qwen3-0.6B's shapes, which
+    reads its token's position, cos, sin and slot before the wait."""
+    types = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "q_w_ptr", "k_w_ptr",
+                                        "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}  # fmt: skip
+    types.update(cos_ptr="*fp32", sin_ptr="*fp32", positions_ptr="*i32",
+                 slot_mapping_ptr="*i32", eps="fp32")  # fmt: skip
+    constexprs = dict(
+        BLOCK_H=16, BLOCK_KV=8, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM, HALF=HEAD_DIM // 2,
+        TAIL=0, NORM=True, OFFSET=False, PAD_SLOT=fused.PAD_SLOT_ID, PDL=True,
+    )  # fmt: skip
+    source = signature(fused._qk_norm_rope_store_kernel, types, constexprs)
+    return before_wait(source, num_warps=4, num_stages=1)
+
+
+def before_wait(source: ASTSource, num_warps: int, num_stages: int) -> dict:
+    """A kernel compiled for sm_90: its PTX global loads before `griddepcontrol.wait` (what it
+    reads while the kernel before it still runs) and its local-memory instructions."""
+    compiled = triton.compile(
+        source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    ptx = compiled.asm["ptx"].partition("griddepcontrol.wait")[0]
+    return {
+        "loads_before_wait": len(re.findall(r"\bld\.global", ptx)),
+        "spill_instructions": spills(compiled.asm["cubin"]),
+    }
 
 
 def spills(cubin: bytes) -> int:
@@ -178,8 +199,10 @@ def main():
         for head_dim in (HEAD_DIM, 256)
     }
     print(f"paged decode, global loads before the wait: {loads}")
+    rope = rope_store_loads_before_wait()
+    print(f"q/k norm + RoPE + store, global loads before the wait: {rope}")
     result = {"target": "sm_90", "triton": triton.__version__, "rows": rows,
-              "decode_loads_before_wait": loads}  # fmt: skip
+              "decode_loads_before_wait": loads, "rope_store_loads_before_wait": rope}  # fmt: skip
     print(f"wrote {write_result('phase7_kernel_sass', result, args.out)}")
 
 

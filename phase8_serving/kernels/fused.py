@@ -294,12 +294,15 @@ def _qk_norm_rope_store_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     launch_dependents(PDL)  # decode attention may be scheduled as this one drains
-    wait_for_previous(PDL)  # q, k, v: the qkv projection's output
+    # The position, its cos and sin, and the slot are the step's inputs and a fixed table: read
+    # before the wait, the two dependent loads (position, then cos/sin) overlap the kernel before.
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, HALF)
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + position * stride_cos + offs)
     sin = tl.load(sin_ptr + position * stride_cos + offs)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    wait_for_previous(PDL)  # q, k, v: the qkv projection's output
     heads = tl.arange(0, BLOCK_H)
     src = q_ptr + token * stride_qt + heads * stride_qh
     dst = q_out_ptr + token * stride_ot + heads * stride_oh
@@ -307,7 +310,6 @@ def _qk_norm_rope_store_kernel(
         src, dst, q_w_ptr, cos, sin, heads < n_heads, eps, HEAD_DIM, HALF, TAIL, NORM, OFFSET
     )
 
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot != PAD_SLOT:  # a CUDA graph's padded row writes nowhere
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         kv_heads = tl.arange(0, BLOCK_KV)

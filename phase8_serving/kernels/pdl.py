@@ -12,16 +12,16 @@ visible. Every Triton kernel of a decode step (the norms, q/k norm + RoPE + stor
 decode attention and its merge, the GEMV) is launched so and triggers at its start
 (`launch_dependents`): where two of them follow each other, the second is already scheduled and
 waiting when the first ends, and the gap between them (~1 µs each, some 170 a step) closes. A
-kernel with nothing of its own to do before the wait (all but the GEMV and decode attention,
-which reads its first keys) waits first. cuBLAS's kernels never trigger: what follows one starts
-when it ends, as without PDL.
+kernel with nothing of its own to do before the wait waits first; the GEMV loads its weights,
+decode attention its first keys, q/k norm + RoPE + store its tokens' positions and their cos and
+sin. cuBLAS's kernels never trigger: what follows one starts when it ends, as without PDL.
 
 Invariants:
 - a kernel launched with PDL reads nothing an earlier kernel wrote, and writes nothing, before its
-  `gdc_wait`: only what no kernel of the step writes is loaded before it (weights, the step's
-  inputs, copied in before its first kernel, and KV entries of earlier steps); every program of
-  it reaches the wait (a kernel that could end before its predecessor would let its own
-  successor overtake both);
+  `gdc_wait`: only what no kernel of the step writes is loaded before it (weights and tables,
+  the step's inputs, copied in before its first kernel, and KV entries of earlier steps); every
+  program of it reaches the wait (a kernel that could end before its predecessor would let its
+  own successor overtake both);
 - a kernel launched without PDL waits for the previous one as always, so triggering early is a
   hint with no effect on it; both calls are no-ops without PDL;
 - `PDL=False` (CPU, the interpreter, Triton < 3.3, GPUs before Hopper) compiles neither call.

@@ -496,3 +496,15 @@ def test_early_decode_loads_read_the_first_key_tile_before_the_wait():
     assert counts["early_loads=False"]["loads_before_wait"] == 0, counts
     assert counts["early_loads=True"]["loads_before_wait"] >= 16, counts
     assert counts["early_loads=True"]["spill_instructions"] == 0, counts  # Qwen3's 128-wide heads
+
+
+def test_rope_store_reads_its_token_position_before_the_wait():
+    """q/k norm + RoPE + KV store (kernels/fused.py) loads its token's position, then that
+    position's cos and sin, and its slot, before `griddepcontrol.wait`: they are the step's inputs
+    and a fixed table, and the two dependent loads then overlap the QKV projection (8 loads
+    with Triton 3.6; none if the wait comes first)."""
+    counts = compiled_for_hopper(
+        "import json; from benchmarks.phase7_kernel_sass import rope_store_loads_before_wait; "
+        "print(json.dumps(rope_store_loads_before_wait()))"
+    )
+    assert counts["loads_before_wait"] >= 4, counts  # position, cos, sin, slot
