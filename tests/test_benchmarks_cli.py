@@ -22,6 +22,7 @@ SCRIPTS = sorted(
 NO_THREADS = {
     "tokenizer_speed", "phase6_qwen3_gpu", "phase7_gemv", "phase7_kernels", "phase7_optim",
     "phase7_tp", "phase7_qwen3_5", "phase7_prefill", "phase8_serving", "phase7_kernel_sass",
+    "phase7_gemv_engine",
 }  # fmt: skip
 
 
