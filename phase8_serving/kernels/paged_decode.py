@@ -128,6 +128,21 @@ FEW_SEQS_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, early_loads=True)
 # Qwen3.5's 256-wide heads: a 64-key tile of K and V held across the wait spills registers on
 # sm_90 (benchmarks/phase7_kernel_sass.py counts local-memory loads and stores): no early loads.
 EARLY_LOADS_MAX_HEAD_DIM = 128
+# Qwen3-8B (32 heads of 128) ran its single stream slower with early loads and the RoPE kernel's
+# (H100, two A/B pairs against 9781d2d: 5.90 / 5.97 ms a token against 5.83 / 5.83). Not yet
+# profiled; the guess: the early kernel's registers leave no room on an SM for o_proj's
+# programs, which with PDL would otherwise load o_proj's weight during attention (33 MB at 8B,
+# 4 MB at 0.6B, whose 16 heads gained). Until measured, only outputs that narrow take them.
+EARLY_LOADS_MAX_WIDTH = 2048  # query heads x head_dim: Qwen3-0.6B's attention output
+
+
+def early_loads_apply(config: DecodeConfig, num_heads: int, head_dim: int) -> bool:
+    """Whether a launch with `config` loads its first key tile before the wait (see above)."""
+    return (
+        config.early_loads
+        and head_dim <= EARLY_LOADS_MAX_HEAD_DIM
+        and num_heads * head_dim <= EARLY_LOADS_MAX_WIDTH
+    )
 
 
 def default_decode_config(
@@ -390,7 +405,7 @@ def paged_decode_attention(
         DIRECT=direct,
         ORDERED=ordered,
         WHOLE_TILES=config.whole_tiles,
-        EARLY=config.early_loads and head_dim <= EARLY_LOADS_MAX_HEAD_DIM,
+        EARLY=early_loads_apply(config, num_heads, head_dim),
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -143,6 +143,17 @@ def test_an_fp8_cache_gets_its_own_decode_tile_from_16_sequences():
     assert default_decode_config(cuda, False, FP8, 256) == BASELINE_DECODE_CONFIG
 
 
+def test_early_decode_loads_only_for_narrow_heads_and_outputs():
+    """Qwen3-0.6B's 16 heads of 128 load their first key tile before the wait; Qwen3.5's
+    256-wide heads (registers spill) and Qwen3-8B's 32 heads (measured slower) do not."""
+    from phase7_optim.kernels.paged_decode import early_loads_apply
+
+    assert early_loads_apply(FEW_SEQS_DECODE_CONFIG, 16, 128)
+    assert not early_loads_apply(FEW_SEQS_DECODE_CONFIG, 8, 256)
+    assert not early_loads_apply(FEW_SEQS_DECODE_CONFIG, 32, 128)
+    assert not early_loads_apply(TUNED_DECODE_CONFIG, 16, 128)
+
+
 @interpreter
 def test_prefill_attention_reads_an_fp8_cache():
     batch = fp8_batch([16, 9, 30], [32, 45, 7], 4, 2, 32, torch.float32, CPU)
