@@ -120,10 +120,11 @@ FP8_TILE_MIN_SEQS = 16  # the smallest batch the sweep measured the fp8 tile fas
 # Early loads (2026-12-07, H100, benchmarks/phase7_optim.py's ablation, six A/B pairs in one
 # process each, benchmarks/results/phase7_optim_ablation_early_decode_loads_h100.json): single
 # stream 0.836-0.911 ms a token with them, 0.938-0.948 without; the kernel's share of a batch-1
-# step 6.0-6.5 -> 4.9-5.0 µs a layer. Holding the first tile across the wait takes registers (92
-# -> 142 a thread, bf16), so fewer programs fit an SM, and at batch 64 the kernel was no faster
-# with them (53.4-54.3 µs a layer against 52.6-53.8): only small batches, whose steps are
-# latency, not bandwidth, take them. W was unchanged either way (20.3-20.8k tok/s).
+# step 6.0-6.5 -> 4.9-5.0 µs a layer. Holding the first tile across the wait takes registers
+# (~90 -> ~140 a thread with a bf16 cache, compiled for sm_90), so fewer programs fit an SM, and
+# at batch 64 the kernel was no faster with them (53.4-54.3 µs a layer against 52.6-53.8): only
+# small batches, whose steps are latency, not bandwidth, take them. W was unchanged either way
+# (20.3-20.8k tok/s). Only measured with a bf16 cache: an fp8 one keeps its configs.
 FEW_SEQS_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, early_loads=True)
 # Qwen3.5's 256-wide heads: a 64-key tile of K and V held across the wait spills registers on
 # sm_90 (benchmarks/phase7_kernel_sass.py counts local-memory loads and stores): no early loads.
@@ -158,9 +159,9 @@ def default_decode_config(
         )  # fmt: skip
     if not tuned:
         return BASELINE_DECODE_CONFIG
-    if num_seqs is not None and num_seqs < FP8_TILE_MIN_SEQS:
-        return FEW_SEQS_DECODE_CONFIG
     fp8 = cache_dtype == torch.float8_e4m3fn
+    if num_seqs is not None and num_seqs < FP8_TILE_MIN_SEQS:  # an fp8 cache: not measured
+        return TUNED_DECODE_CONFIG if fp8 else FEW_SEQS_DECODE_CONFIG
     return TUNED_FP8_DECODE_CONFIG if fp8 else TUNED_DECODE_CONFIG
 
 

@@ -129,14 +129,14 @@ def test_decode_attention_reads_an_fp8_cache_with_its_own_tile():
 
 def test_an_fp8_cache_gets_its_own_decode_tile_from_16_sequences():
     """On CUDA a batch of 16 or more decodes over an fp8 cache runs the 2-warp, 32-key tile (the
-    instructions bound it there); fewer, a bf16 cache or the untuned lever keep theirs (fewer
-    than 16 with their first key tile loaded early, whatever the cache)."""
+    instructions bound it there); fewer, a bf16 cache or the untuned lever keep theirs (a bf16
+    cache with fewer than 16 loads its first key tile early)."""
     cuda = torch.device("cuda")  # only its type is read: no GPU needed
     assert default_decode_config(cuda, True, FP8, 16) == TUNED_FP8_DECODE_CONFIG
     assert default_decode_config(cuda, True, FP8, None) == TUNED_FP8_DECODE_CONFIG
-    for cache in (FP8, torch.bfloat16):
-        assert default_decode_config(cuda, True, cache, 15) == FEW_SEQS_DECODE_CONFIG
-        assert default_decode_config(cuda, True, cache, 1) == FEW_SEQS_DECODE_CONFIG
+    assert default_decode_config(cuda, True, FP8, 15) == TUNED_DECODE_CONFIG
+    for num_seqs in (1, 15):
+        assert default_decode_config(cuda, True, torch.bfloat16, num_seqs) == FEW_SEQS_DECODE_CONFIG
     assert FEW_SEQS_DECODE_CONFIG == replace(TUNED_DECODE_CONFIG, early_loads=True)
     assert not TUNED_DECODE_CONFIG.early_loads and not TUNED_FP8_DECODE_CONFIG.early_loads
     assert default_decode_config(cuda, True, torch.bfloat16, 256) == TUNED_DECODE_CONFIG
