@@ -193,8 +193,10 @@ EXERCISES: dict[str, Exercise] = {
         ),
     ),
     "7.1": Exercise(
-        "For each key tile: gather K and V through the block table, score in log2 units, keep a "
-        "running max m_i and sum l_i, and rescale acc by exp2(m_old - m_new) before adding P @ V.",
+        "Scale the tile's row max into log2 units (max(qk) * qk_scale) and take the new running "
+        "max m_ij = max(m_i, that); p = exp2(qk * qk_scale - m_ij); alpha = exp2(m_i - m_ij) "
+        "rescales what was summed under the old max: return p, alpha, l_i * alpha + the row "
+        "sums of p, and m_ij.",
         ("tests/phase7/test_kernels.py::test_flash_prefill_uneven_tiles",),
     ),
     "7.2": Exercise(

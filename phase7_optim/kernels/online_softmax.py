@@ -45,6 +45,7 @@ def operand_query(q, k_cache_ptr):
     return q
 
 
+# exercise 7.1: one key tile of the online softmax
 @triton.jit
 def softmax_step(qk, m_i, l_i, qk_scale):
     """One tile's scores `qk` (rows, keys; unscaled, -inf where hidden) into the running max and
@@ -58,7 +59,6 @@ def softmax_step(qk, m_i, l_i, qk_scale):
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_ij
 
 
-# exercise 7.1: the online softmax over key tiles
 @triton.jit
 def attn_tiles(
     acc,
