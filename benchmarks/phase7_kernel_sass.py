@@ -12,6 +12,9 @@ heads of 128, block size 16, the tuned tiles).
 Per kernel it reports each loop (a backward branch over more than 50 instructions: the key
 loops) with its instruction count per thread and per 64 keys for the whole block of threads,
 and the count of each opcode. Counts are static (one pass through the loop body), not timings.
+For decode attention (with and without `early_loads`, 128- and 256-wide heads) and q/k norm +
+RoPE + store it also reports the global loads issued before the PDL wait, the spilled-register
+instructions and the registers a thread holds (how many programs fit an SM).
 
 Run (any machine with Triton): python -m benchmarks.phase7_kernel_sass [--out DIR]
 Writes phase7_kernel_sass.json. The counts depend on the Triton version (the JSON names it).
@@ -36,6 +39,7 @@ GROUP, BLOCK_SIZE, HEAD_DIM = 2, 16, 128  # Qwen3-0.6B's GQA group, W's block si
 LOOP_MIN_INSTRUCTIONS = 50
 LOCAL = {"LDL", "STL"}  # local-memory loads and stores: what spilled registers cost
 NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+CUOBJDUMP = NVDISASM.with_name("cuobjdump")
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)")
 LABEL = re.compile(r"^(\.L_x_\d+):$")
 BACK_BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
@@ -153,7 +157,21 @@ def before_wait(source: ASTSource, num_warps: int, num_stages: int) -> dict:
     return {
         "loads_before_wait": len(re.findall(r"\bld\.global", ptx)),
         "spill_instructions": spills(compiled.asm["cubin"]),
+        "registers_per_thread": registers(compiled.asm["cubin"]),
     }
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the kernel holds (cuobjdump's resource usage): with the threads of a
+    program, how many programs fit an SM's 65,536 beside each other."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [str(CUOBJDUMP), "--dump-resource-usage", f.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def spills(cubin: bytes) -> int:

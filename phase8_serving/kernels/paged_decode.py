@@ -131,9 +131,11 @@ FEW_SEQS_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, early_loads=True)
 EARLY_LOADS_MAX_HEAD_DIM = 128
 # Qwen3-8B (32 heads of 128) ran its single stream slower with early loads and the RoPE kernel's
 # (H100, two A/B pairs against 9781d2d: 5.90 / 5.97 ms a token against 5.83 / 5.83). Not yet
-# profiled; the guess: the early kernel's registers leave no room on an SM for o_proj's
-# programs, which with PDL would otherwise load o_proj's weight during attention (33 MB at 8B,
-# 4 MB at 0.6B, whose 16 heads gained). Until measured, only outputs that narrow take them.
+# profiled; the guess: with early loads a program holds 147 registers a thread, not 94
+# (benchmarks/phase7_kernel_sass.py, Triton 3.9), so an SM takes three programs, not five:
+# batch 1's 512 (64 splits x 8 KV heads) need two waves, and no o_proj program (168 registers at
+# 8B's 4,096-wide rows) fits beside them to load o_proj's weight during attention, 33 MB at 8B
+# against 4 MB at 0.6B, whose 16 heads gained. Until measured, only outputs that narrow take them.
 EARLY_LOADS_MAX_WIDTH = 2048  # query heads x head_dim: Qwen3-0.6B's attention output
 
 

@@ -486,7 +486,7 @@ def test_early_decode_loads_read_the_first_key_tile_before_the_wait():
     """`early_loads` is a speed lever too: compiled for the H200 with programmatic dependent
     launch, the decode kernel must issue its first key tile's loads (K and V, 16 KB each for a
     64-key tile of 128-wide bf16 heads over 128 threads: 8 vector loads a thread apiece) before
-    `griddepcontrol.wait`, and without the lever no load at all (26 against 0, Triton 3.6).
+    `griddepcontrol.wait`, and without the lever no load at all (26 against 0, Triton 3.9).
     That the newest key is read only after the wait, the interpreter cannot show (it has no
     kernel before this one); the split tests show it is read at all."""
     counts = compiled_for_hopper(
@@ -502,7 +502,7 @@ def test_rope_store_reads_its_token_position_before_the_wait():
     """q/k norm + RoPE + KV store (kernels/fused.py) loads its token's position, then that
     position's cos and sin, and its slot, before `griddepcontrol.wait`: they are the step's inputs
     and a fixed table, and the two dependent loads then overlap the QKV projection (8 loads
-    with Triton 3.6; none if the wait comes first)."""
+    with Triton 3.9; none if the wait comes first)."""
     counts = compiled_for_hopper(
         "import json; from benchmarks.phase7_kernel_sass import rope_store_loads_before_wait; "
         "print(json.dumps(rope_store_loads_before_wait()))"
