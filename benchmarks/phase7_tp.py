@@ -21,6 +21,8 @@ fixed reserve for activations and CUDA graphs (vLLM sizes it the same way, by pr
 Writes phase7_tp.json and phase7_tp.png into --out (phase7_tp_quick.* with --quick), rewritten
 after every run so that a run cut short keeps the ones that finished.
 Run (GPU): python -m benchmarks.phase7_tp [--runs qwen3-0.6b:1,2 llama3-70b:2@64] [--out DIR]
+Qwen3-8B with decode attention's early loads (off at its width by default), TP=1:
+--runs qwen3-8b:1@64 --early-loads-max-width 4096
 Issue 13 on 8 GPUs: --runs qwen3-8b:1,2,4,8@128 llama3-70b:2,4,8@64
 CPU smoke run (tiny model, gloo): python -m benchmarks.phase7_tp --quick
 """
@@ -89,9 +91,14 @@ class Run:
     requests: int  # the first `requests` of workload W
     quick: bool
     enforce_eager: bool
+    # decode attention's early loads up to this attention-output width (kernels/paged_decode.py's
+    # EARLY_LOADS_MAX_WIDTH) instead of the default: an A/B of that rule in one call, TP=1 only
+    early_loads_max_width: int | None = None
 
 
-def parse_runs(specs: list[str], requests: int, quick: bool, eager: bool) -> list[Run]:
+def parse_runs(
+    specs: list[str], requests: int, quick: bool, eager: bool, early_width: int | None = None
+) -> list[Run]:
     """'MODEL:TP[,TP...][@REQUESTS]' -> one Run per TP size."""
     runs = []
     for spec in specs:
@@ -101,7 +108,10 @@ def parse_runs(specs: list[str], requests: int, quick: bool, eager: bool) -> lis
             raise SystemExit(
                 f"--runs {spec!r}: expected MODEL:TP[,TP...][@N], MODEL in {list(MODELS)}"
             )
-        runs += [Run(model, int(tp), int(n or requests), quick, eager) for tp in sizes.split(",")]
+        runs += [Run(model, int(tp), int(n or requests), quick, eager, early_width)
+                 for tp in sizes.split(",")]  # fmt: skip
+    if early_width is not None and any(r.tp > 1 for r in runs):
+        raise SystemExit("--early-loads-max-width is set in the driver only: TP=1 runs only")
     return runs
 
 
@@ -236,6 +246,10 @@ def timed_generate(llm, prompts, params) -> tuple[float, int]:
 
 def run_one(run: Run) -> dict:
     from phase7_optim import LLM, SamplingParams
+    from phase7_optim.kernels import paged_decode
+
+    if run.early_loads_max_width is not None:  # this process is the run's: no need to restore
+        paged_decode.EARLY_LOADS_MAX_WIDTH = run.early_loads_max_width
 
     q = QUICK if run.quick else {}
     hf = MODELS[run.model]
@@ -354,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=256, help="W's requests, if no @N")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--timeout", type=int, default=RUN_TIMEOUT_S, help="seconds per run")
+    parser.add_argument(
+        "--early-loads-max-width", type=int, default=None, metavar="N",
+        help="decode attention loads its first keys before its wait up to this many query heads "
+        "x head_dim (default: the engine's rule); TP=1 runs only",
+    )  # fmt: skip
     parser.add_argument("--single", help=argparse.SUPPRESS)  # one run, in a child process
     parser.add_argument("--single-out", help=argparse.SUPPRESS)
     return parser
@@ -368,7 +387,8 @@ def main():
         return
     specs = args.runs or (QUICK_RUNS if args.quick else DEFAULT_RUNS)
     name = "phase7_tp_quick" if args.quick else "phase7_tp"
-    runs = parse_runs(specs, args.requests, args.quick, args.enforce_eager)
+    runs = parse_runs(specs, args.requests, args.quick, args.enforce_eager,
+                      args.early_loads_max_width)  # fmt: skip
     run_all(runs, args.timeout, args.out, name)
 
 

@@ -118,3 +118,15 @@ def test_tp_single_stream_floor_reads_every_weight_but_the_embedding_table():
     kv_token = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads of 128, bf16
     with_context = phase7_tp.decode_bytes_per_rank(phase7_tp.MODELS["qwen3-8b"], 1, context=640)
     assert with_context - floor_bytes == 640 * kv_token
+
+
+def test_tp_early_loads_width_reaches_the_run_and_only_at_tp_1():
+    """phase7_tp's --early-loads-max-width is an A/B knob of decode attention's early loads: it is
+    set in the driver's process, so a run whose other ranks would not see it is refused."""
+    from benchmarks import phase7_tp
+
+    runs = phase7_tp.parse_runs(["qwen3-8b:1@64"], 256, False, False, 4096)
+    assert [r.early_loads_max_width for r in runs] == [4096]
+    assert phase7_tp.parse_runs(["qwen3-8b:1"], 256, False, False)[0].early_loads_max_width is None
+    with pytest.raises(SystemExit, match="TP=1"):
+        phase7_tp.parse_runs(["qwen3-8b:1,2"], 256, False, False, 4096)
