@@ -459,7 +459,7 @@ def compiled_for_hopper(code: str):
 
     from benchmarks import phase7_kernel_sass
 
-    if not phase7_kernel_sass.NVDISASM.exists():
+    if not (phase7_kernel_sass.NVDISASM.exists() and phase7_kernel_sass.CUOBJDUMP.exists()):
         pytest.skip("this Triton has no NVIDIA backend tools")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
