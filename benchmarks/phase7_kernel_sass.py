@@ -59,14 +59,19 @@ def signature(kernel, types: dict[str, str], constexprs: dict) -> ASTSource:
     return ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
 
 
-def loops(cubin: bytes) -> list[dict]:
-    """The loops of a compiled kernel: instructions per thread in one pass, and per opcode."""
+def cubin_tool(tool: Path, args: list[str], cubin: bytes) -> str:
+    """What one of the wheel's CUDA tools prints about a compiled kernel."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run(
-            [str(NVDISASM), "-c", f.name], capture_output=True, text=True, check=True
-        ).stdout.splitlines()
+        return subprocess.run(
+            [str(tool), *args, f.name], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def loops(cubin: bytes) -> list[dict]:
+    """The loops of a compiled kernel: instructions per thread in one pass, and per opcode."""
+    sass = cubin_tool(NVDISASM, ["-c"], cubin).splitlines()
     labels = {m.group(1): i for i, line in enumerate(sass) if (m := LABEL.match(line.strip()))}
     found = []
     for end, line in enumerate(sass):
@@ -164,24 +169,13 @@ def before_wait(source: ASTSource, num_warps: int, num_stages: int) -> dict:
 def registers(cubin: bytes) -> int:
     """Registers a thread of the kernel holds (cuobjdump's resource usage): with the threads of a
     program, how many programs fit an SM's 65,536 beside each other."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run(
-            [str(CUOBJDUMP), "--dump-resource-usage", f.name],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+    usage = cubin_tool(CUOBJDUMP, ["--dump-resource-usage"], cubin)
     return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def spills(cubin: bytes) -> int:
     """Local-memory loads and stores (LDL, STL) in a compiled kernel: registers spilled."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run(
-            [str(NVDISASM), "-c", f.name], capture_output=True, text=True, check=True
-        ).stdout.splitlines()
+    sass = cubin_tool(NVDISASM, ["-c"], cubin).splitlines()
     return sum(1 for line in sass if (m := INSTRUCTION.match(line)) and m.group(1) in LOCAL)
 
 

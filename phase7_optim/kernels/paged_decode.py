@@ -162,8 +162,8 @@ def default_decode_config(
     if not tuned:
         return BASELINE_DECODE_CONFIG
     fp8 = cache_dtype == torch.float8_e4m3fn
-    if num_seqs is not None and num_seqs < FP8_TILE_MIN_SEQS:  # an fp8 cache: not measured
-        return TUNED_DECODE_CONFIG if fp8 else FEW_SEQS_DECODE_CONFIG
+    if num_seqs is not None and num_seqs < FP8_TILE_MIN_SEQS:  # few: the bf16 tile, and early
+        return TUNED_DECODE_CONFIG if fp8 else FEW_SEQS_DECODE_CONFIG  # loads where measured
     return TUNED_FP8_DECODE_CONFIG if fp8 else TUNED_DECODE_CONFIG
 
 
