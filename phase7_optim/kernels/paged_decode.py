@@ -129,13 +129,13 @@ FEW_SEQS_DECODE_CONFIG = replace(TUNED_DECODE_CONFIG, early_loads=True)
 # Qwen3.5's 256-wide heads: a 64-key tile of K and V held across the wait spills registers on
 # sm_90 (benchmarks/phase7_kernel_sass.py counts local-memory loads and stores): no early loads.
 EARLY_LOADS_MAX_HEAD_DIM = 128
-# Qwen3-8B (32 heads of 128) ran its single stream slower with early loads and the RoPE kernel's
-# (H100, two A/B pairs against 9781d2d: 5.90 / 5.97 ms a token against 5.83 / 5.83). Not yet
-# profiled; the guess: with early loads a program holds 147 registers a thread, not 94
-# (benchmarks/phase7_kernel_sass.py, Triton 3.9), so an SM takes three programs, not five:
-# batch 1's 512 (64 splits x 8 KV heads) need two waves, and no o_proj program (168 registers at
-# 8B's 4,096-wide rows) fits beside them to load o_proj's weight during attention, 33 MB at 8B
-# against 4 MB at 0.6B, whose 16 heads gained. Until measured, only outputs that narrow take them.
+# Qwen3-8B (32 heads of 128) runs its single stream slower with early loads: 5.95 / 5.96 ms a
+# token against 5.79 / 5.80 under this rule (H100, alternating, benchmarks/results/
+# phase7_tp_qwen3_8b_width_rule_h100.json). Not profiled; the guess: with early loads a program
+# holds 147 registers a thread, not 94 (benchmarks/phase7_kernel_sass.py, Triton 3.9), so an SM
+# takes three programs, not five: batch 1's 512 (64 splits x 8 KV heads) need two waves, and no
+# o_proj program (168 registers at 8B's 4,096-wide rows) fits beside them to load o_proj's weight
+# during attention, 33 MB at 8B against 4 MB at 0.6B, whose 16 heads gained.
 EARLY_LOADS_MAX_WIDTH = 2048  # query heads x head_dim: Qwen3-0.6B's attention output
 
 
