@@ -307,8 +307,7 @@ def _paged_decode_split_kernel(
                            HEAD_DIM, HALF, NORM, OFFSET)  # fmt: skip
         one = tl.arange(0, 1)  # the newest key as a [1, HEAD_DIM] row
         k_src = k_new_ptr + seq.to(tl.int64) * stride_kns + kv_head * stride_knh + one
-        k_new = norm_rope_rows(k_src, one == 0, k_w_ptr, cos, sin, eps,
-                               HEAD_DIM, HALF, NORM, OFFSET)  # fmt: skip
+        k_new = norm_rope_rows(k_src, one == 0, k_w_ptr, cos, sin, eps, HEAD_DIM, HALF, NORM, OFFSET)
         v_src = v_new_ptr + seq.to(tl.int64) * stride_vns + kv_head * stride_vnh
         v_new = tl.load(v_src + one[:, None] + offs_d[None, :])
         # the split that reads the newest position stores it: the cache holds it for later steps

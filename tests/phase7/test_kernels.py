@@ -334,10 +334,8 @@ def check_rotating_decode(b: PagedBatch, q, rope, num_splits, config=None) -> No
 
     r = rope
     k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
-    q_rot = qk_norm_rope_store(
-        q, r.k, r.v, r.q_weight, r.k_weight, r.cos, r.sin, r.positions, r.eps, k_cache, v_cache,
-        r.slot_mapping, offset=r.offset,
-    )  # fmt: skip
+    q_rot = qk_norm_rope_store(q, r.k, r.v, r.q_weight, r.k_weight, r.cos, r.sin, r.positions,
+                               r.eps, k_cache, v_cache, r.slot_mapping, offset=r.offset)  # fmt: skip
     args = (b.seq_lens, b.block_tables, b.scale)
     expected = paged_decode_attention(q_rot, k_cache, v_cache, *args, num_splits, config)
     out = paged_decode_attention(q, b.k_cache, b.v_cache, *args, num_splits, config, rope=rope)
