@@ -104,15 +104,11 @@ def decode_source(
     types = {"q_ptr": "*bf16", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
              "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "order_ptr": "*i32",
              "part_out_ptr": "*bf16", "part_lse_ptr": "*fp32", "qk_scale": "fp32",
-             "stride_pop": "i32", "stride_lses": "i32", "stride_lseh": "i32",
-             "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16",
-             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i32",
-             "slot_mapping_ptr": "*i32", "eps": "fp32"}  # fmt: skip
+             "stride_pop": "i32", "stride_lses": "i32", "stride_lseh": "i32"}  # fmt: skip
     constexprs = dict(
         QUERY_GROUP_SIZE=GROUP, BLOCK_H=paged_decode.MIN_BLOCK_H, BLOCK_SIZE=BLOCK_SIZE,
         HEAD_DIM=head_dim, BLOCK_N=config.block_n, DIRECT=True, ORDERED=True,
-        WHOLE_TILES=config.whole_tiles, EARLY=config.early_loads, ROPE=config.rope,
-        HALF=head_dim // 2, NORM=True, OFFSET=False, PAD_SLOT=fused.PAD_SLOT_ID, PDL=True,
+        WHOLE_TILES=config.whole_tiles, EARLY=config.early_loads, PDL=True,
     )  # fmt: skip
     return signature(paged_decode._paged_decode_split_kernel, types, constexprs)
 

@@ -87,7 +87,6 @@ LEVERS = {  # ablation row: the engine settings of that row (one lever off, or a
     "no add + RMSNorm in the QKV and gate_up GEMVs": {"fold_norm_into_gemv": False},
     "no programmatic dependent launch": {"programmatic_launch": False},
     "decode attention's first key tile after the wait": {"decode_early_loads": False},
-    "q/k norm + RoPE + KV store before decode attention": {"decode_rope": False},
     "LM head in no CUDA graph": {"lm_head_graph_max_batch": 0},
     "LM head in every CUDA graph": {"lm_head_graph_max_batch": 256},
     "no kernel levers": KERNEL_LEVERS_OFF,
@@ -425,20 +424,16 @@ def kernel_kind(name: str) -> str:
     return re.sub(r"<.*", "", name).split("(")[0].strip()[:80]
 
 
-DECODE_FIELD = "decode_"  # a row's setting `decode_<field>` sets that DecodeConfig field
-
-
 @contextlib.contextmanager
-def decode_config(**fields):
-    """Decode attention's config with `fields` (DecodeConfig fields, kernels/paged_decode.py,
-    not engine arguments) as given: the default config swapped in this process while it is
-    open."""
+def decode_config(early_loads: bool):
+    """Decode attention's `early_loads` (a DecodeConfig field, kernels/paged_decode.py, not an
+    engine argument) as given: the default config swapped in this process while it is open."""
     from phase7_optim import kernels
 
     default = kernels.default_decode_config
 
     def swapped(*args, **kwargs):
-        return replace(default(*args, **kwargs), **fields)
+        return replace(default(*args, **kwargs), early_loads=early_loads)
 
     with mock.patch.object(kernels, "default_decode_config", swapped):
         yield
@@ -451,14 +446,11 @@ def ablation(checkpoint: Path, workload: list[Request], levers: dict[str, dict],
     rows = {}
     for name, settings in levers.items():
         row: dict = {"settings": settings}
-        engine_settings = {k: v for k, v in settings.items() if not k.startswith(DECODE_FIELD)}
-        decode_fields = {
-            k.removeprefix(DECODE_FIELD): v for k, v in settings.items() if k not in engine_settings
-        }  # fmt: skip
+        engine_settings = {k: v for k, v in settings.items() if k != "decode_early_loads"}
         eager = settings.get("enforce_eager", False)
         kernel_settings = {k: v for k, v in engine_settings.items() if k != "enforce_eager"}
-        # none: the engine's own decode config
-        with decode_config(**decode_fields) if decode_fields else contextlib.nullcontext():
+        early = settings.get("decode_early_loads")  # None: the engine's own decode config
+        with contextlib.nullcontext() if early is None else decode_config(early):
             single = single_stream(checkpoint, eager, profile=True, **kernel_settings)
             row["single_stream_ms_per_token"] = single["ms_per_token"]
             row["decode_step_b1"] = single["decode_step_b1"]

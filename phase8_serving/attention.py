@@ -260,27 +260,20 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
         backend = kv_cache.attention_backend
         if self.kernels.fuse_rope_kv_store and self.kernels.use_triton(qkv):
-            out = self.rotate_store_attend(q, k, v, positions, k_cache, v_cache, batch, backend)
+            q = self.norm_rotate_and_store(q, k, v, positions, k_cache, v_cache, batch)
         else:
             q = norm_and_rotate(q, self.q_norm, self.rotary, positions, self.kernels)  # Qwen3
             k = norm_and_rotate(k, self.k_norm, self.rotary, positions, self.kernels)
             backend.store(k, v, k_cache, v_cache, batch)
-            out = backend.attend(q, k_cache, v_cache, batch, self.kernels)
+        out = backend.attend(q, k_cache, v_cache, batch, self.kernels)
         return self.o_proj(out.reshape(N, -1))
 
-    def rotate_store_attend(self, q, k, v, positions, k_cache, v_cache, batch, backend):
-        """norm_and_rotate of q and k and the store of k and v in one kernel, then attention;
-        in a decode-only step where the backend can, all of it in the decode kernel."""
+    def norm_rotate_and_store(self, q, k, v, positions, k_cache, v_cache, batch) -> torch.Tensor:
+        """norm_and_rotate of q and k, and the store of k and v, in one kernel -> q."""
         from .kernels.fused import qk_norm_rope_store  # here: CPU-only installs lack Triton
-        from .kernels.paged_decode import DecodeRope
 
         (q_weight, eps), (k_weight, _) = norm_gain(self.q_norm), norm_gain(self.k_norm)
-        cos, sin, slots = self.rotary.cos, self.rotary.sin, batch.slot_mapping
-        if backend.rotates_in_decode(batch, k_cache, self.kernels):
-            rope = DecodeRope(k, v, q_weight, k_weight, cos, sin, positions, slots, eps)
-            return backend.attend(q, k_cache, v_cache, batch, self.kernels, rope=rope)
-        q = qk_norm_rope_store(
-            q, k, v, q_weight, k_weight, cos, sin, positions, eps, k_cache, v_cache, slots,
-            pdl=self.kernels.programmatic_launch,
+        return qk_norm_rope_store(
+            q, k, v, q_weight, k_weight, self.rotary.cos, self.rotary.sin, positions, eps,
+            k_cache, v_cache, batch.slot_mapping, pdl=self.kernels.programmatic_launch,
         )  # fmt: skip
-        return backend.attend(q, k_cache, v_cache, batch, self.kernels)

@@ -51,9 +51,6 @@ class TorchAttention:
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
         return context_attention(q, k_cache, v_cache, batch)
 
-    def rotates_in_decode(self, batch: ForwardBatch, k_cache, kernels: KernelConfig) -> bool:
-        return False  # attend takes q rotated and the step's keys stored
-
     def __call__(self, q, k, v, k_cache, v_cache, batch, kernels=DEFAULT_KERNELS) -> torch.Tensor:
         self.store(k, v, k_cache, v_cache, batch)
         return self.attend(q, k_cache, v_cache, batch, kernels)
@@ -72,32 +69,20 @@ class TritonAttention:
     def store(self, k, v, k_cache, v_cache, batch: ForwardBatch) -> None:
         self.kernels.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
 
-    def decode_config(self, batch: ForwardBatch, k_cache, kernels: KernelConfig):
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig):
+        scale = q.shape[-1] ** -0.5
         decodes = batch.seq_lens.shape[0] if batch.max_query_len == 1 else batch.num_decodes
         config = self.kernels.default_decode_config(
-            k_cache.device, kernels.tune_decode_attention, k_cache.dtype, decodes
+            q.device, kernels.tune_decode_attention, k_cache.dtype, decodes
         )
         if config.pdl and not kernels.programmatic_launch:  # a new config only for the lever
             config = replace(config, pdl=False)
-        return config
-
-    def rotates_in_decode(self, batch: ForwardBatch, k_cache, kernels: KernelConfig) -> bool:
-        """Whether this step's `attend` takes q raw, with `rope`, and stores the step's k and v
-        itself: a decode-only step whose decode config says so (DecodeConfig.rope), one launch
-        a layer fewer than qk_norm_rope_store's kernel before attention."""
-        return batch.max_query_len == 1 and self.decode_config(batch, k_cache, kernels).rope
-
-    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, kernels: KernelConfig, rope=None):
-        """rope: a DecodeRope (kernels/paged_decode.py) where `rotates_in_decode`, q then raw."""
-        scale = q.shape[-1] ** -0.5
-        config = self.decode_config(batch, k_cache, kernels)
         order = batch.decode_order if config.longest_first else None
         if batch.max_query_len == 1:  # decode-only step: one query per sequence
             return self.kernels.paged_decode_attention(
                 q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale, config=config,
-                order=order, rope=rope,
+                order=order,
             )  # fmt: skip
-        assert rope is None, "only a decode-only step rotates inside attention"
         # A mixed step: its leading decodes (tokens 0 … d - 1) go to the decode kernel. In the
         # prefill kernel a decode fills one row of each head's BLOCK_M-row tile and reads its
         # whole context in one program: W's first steps (prompts beside up to 230 decodes) spent

@@ -215,28 +215,6 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def norm_rope_rows(src, rows, w_ptr, cos, sin, eps,
-                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                   NORM: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
-    """_norm_rope_heads's result as whole [rows, HEAD_DIM] vectors in registers (for a kernel
-    that attends with them, not stores them): each rotated dim d pairs with d +- HALF, loaded a
-    second time at its partner's offset, so there are no halves to join. `cos`, `sin`: the
-    position's over all HEAD_DIM dims, sin negated on the first half (x1 cos - x2 sin), cos 1
-    and sin 0 past 2 * HALF (a partial RoPE's tail). Returns src's dtype, rounded as the stored
-    result would be."""
-    dims = tl.arange(0, HEAD_DIM)
-    partner = tl.where(dims < HALF, dims + HALF, tl.where(dims < 2 * HALF, dims - HALF, dims))
-    m = rows[:, None]
-    x = tl.load(src[:, None] + dims[None, :], mask=m, other=0.0).to(tl.float32)
-    x_pair = tl.load(src[:, None] + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
-        x = x * rstd[:, None] * _gain(w_ptr, dims, dims < HEAD_DIM, OFFSET)[None, :]
-        x_pair = x_pair * rstd[:, None] * _gain(w_ptr, partner, dims < HEAD_DIM, OFFSET)[None, :]
-    return (x * cos[None, :] + x_pair * sin[None, :]).to(src.dtype.element_ty)
-
-
-@triton.jit
 def _qk_norm_rope_kernel(
     x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, positions_ptr,
     stride_xt, stride_xh, stride_ot, stride_oh, stride_cos,

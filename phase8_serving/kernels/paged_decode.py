@@ -56,9 +56,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import PAD_SLOT_ID
-from .fused import norm_rope_rows, rope_layout
-from .kv_store import store_cast
 from .online_softmax import attn_tiles, operand_query, softmax_step
 from .pdl import launch_dependents, pdl_launch, supports_pdl, wait_for_previous
 
@@ -82,32 +79,12 @@ class DecodeConfig:
     longest_first: bool = False  # the caller's `order` is used: longest contexts start first
     whole_tiles: bool = False  # a split's whole key tiles without masks, then the partial one
     early_loads: bool = False  # with pdl: a split's first key tile is loaded before the wait
-    # a decode-only step's q/k norm + RoPE and the newest k/v's store done here (DecodeRope), not
-    # by fused.qk_norm_rope_store's kernel before: one launch a layer fewer
-    rope: bool = False
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n != triton.next_power_of_2(self.block_n):
             raise ValueError(f"block_n must be a power of two >= 16, got {self}")
         if self.programs_per_sm < 1 or self.min_tokens_per_split < 1:
             raise ValueError(f"the split heuristic's knobs must be >= 1, got {self}")
-
-
-@dataclass(frozen=True)
-class DecodeRope:
-    """What `paged_decode_attention` needs to do `fused.qk_norm_rope_store`'s work itself in a
-    decode-only step: this step's raw k and v (one token a sequence) and what rotates q and k."""
-
-    k: torch.Tensor  # (num_seqs, Hkv, D), rows may be strided (views into the qkv output)
-    v: torch.Tensor
-    q_weight: torch.Tensor | None  # the q/k norms' gains; None: no q/k norm (Llama)
-    k_weight: torch.Tensor | None
-    cos: torch.Tensor  # (max_position, rotary_dim / 2) fp32, as rope.py builds them
-    sin: torch.Tensor
-    positions: torch.Tensor  # (num_seqs,): seq_len - 1 for a real row
-    slot_mapping: torch.Tensor  # (num_seqs,): where the newest k and v go; PAD_SLOT_ID: nowhere
-    eps: float
-    offset: bool = False  # the gain is 1 + weight (Qwen3.5)
 
 
 BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
@@ -126,7 +103,7 @@ BASELINE_DECODE_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 # 2026-12-06: whole key tiles unmasked (`whole_tiles`; benchmarks/phase7_kv_cache_dtype.py).
 TUNED_DECODE_CONFIG = DecodeConfig(
     block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, min_tokens_per_split=64,
-    direct_single_split=True, pdl=True, longest_first=True, whole_tiles=True, rope=True,
+    direct_single_split=True, pdl=True, longest_first=True, whole_tiles=True,
 )  # fmt: skip
 
 
@@ -180,7 +157,7 @@ def default_decode_config(
     if device.type != "cuda":  # the interpreter: small tiles keep the CPU tests quick
         return DecodeConfig(
             block_n=32, num_warps=4, num_stages=1, direct_single_split=tuned,
-            longest_first=tuned, whole_tiles=tuned, early_loads=tuned, rope=tuned,
+            longest_first=tuned, whole_tiles=tuned, early_loads=tuned,
         )  # fmt: skip
     if not tuned:
         return BASELINE_DECODE_CONFIG
@@ -210,15 +187,6 @@ def _paged_decode_split_kernel(
     order_ptr,
     part_out_ptr,
     part_lse_ptr,
-    k_new_ptr,  # with ROPE: this step's raw k and v, (seq, KV head) rows, and what rotates q, k
-    v_new_ptr,
-    q_w_ptr,
-    k_w_ptr,
-    cos_ptr,
-    sin_ptr,
-    positions_ptr,
-    slot_mapping_ptr,
-    eps,
     qk_scale,
     stride_qs,
     stride_qh,
@@ -234,11 +202,6 @@ def _paged_decode_split_kernel(
     stride_pop,
     stride_lses,
     stride_lseh,
-    stride_kns,
-    stride_knh,
-    stride_vns,
-    stride_vnh,
-    stride_cos,
     QUERY_GROUP_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -248,11 +211,6 @@ def _paged_decode_split_kernel(
     ORDERED: tl.constexpr,  # grid (split, head, rank): the rank-th sequence is order[rank]
     WHOLE_TILES: tl.constexpr,  # [lo, whole_hi) unmasked, then [whole_hi, hi) masked
     EARLY: tl.constexpr,  # the first key tile's older keys are loaded before the wait
-    ROPE: tl.constexpr,  # q, k, v raw: q/k norm + RoPE here, the newest k and v stored here
-    HALF: tl.constexpr,  # ROPE: rotated pairs a head (HEAD_DIM / 2, less for a partial RoPE)
-    NORM: tl.constexpr,  # ROPE: q and k are RMS-normalized first (Qwen3; Llama has no q/k norm)
-    OFFSET: tl.constexpr,  # ROPE: the norms' gain is 1 + weight (Qwen3.5)
-    PAD_SLOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     launch_dependents(PDL)  # the merge (or o_proj's GEMV) may be scheduled as this one drains
@@ -273,13 +231,6 @@ def _paged_decode_split_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
-    if ROPE:  # the newest token's position, its cos and sin (a fixed table) and slot: inputs
-        position = tl.load(positions_ptr + seq).to(tl.int64)
-        rope_col = position * stride_cos + offs_d % HALF
-        cos = tl.load(cos_ptr + rope_col, mask=offs_d < 2 * HALF, other=1.0)  # a partial RoPE's
-        sin = tl.load(sin_ptr + rope_col, mask=offs_d < 2 * HALF, other=0.0)  # tail: unrotated
-        sin = tl.where(offs_d < HALF, -sin, sin)  # x1 cos - x2 sin, x2 cos + x1 sin
-        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
     if EARLY:  # the inputs (seq_lens, order, block tables) were copied in before the step
         offs_n = lo + tl.arange(0, BLOCK_N)
         first = offs_n < hi
@@ -295,39 +246,13 @@ def _paged_decode_split_kernel(
         v_first = tl.load(v_ptrs + offs_d[None, :], mask=older, other=0.0)
         wait_for_previous(PDL)
         newest = (first & (offs_n == seq_len - 1))[:, None]  # in the last split's tile only
-        if not ROPE:  # stored by the kernel before
-            k_first = tl.where(newest, tl.load(k_ptrs + offs_d[None, :], mask=newest), k_first)
-            v_first = tl.where(newest, tl.load(v_ptrs + offs_d[None, :], mask=newest), v_first)
+        k_first = tl.where(newest, tl.load(k_ptrs + offs_d[None, :], mask=newest), k_first)
+        v_first = tl.where(newest, tl.load(v_ptrs + offs_d[None, :], mask=newest), v_first)
 
     heads = kv_head * QUERY_GROUP_SIZE + offs_h  # the query heads sharing this KV head
     head_mask = (offs_h < QUERY_GROUP_SIZE)[:, None]
-    q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads * stride_qh
-    if ROPE:  # the QKV projection's output: normalize and rotate q, and the newest k, here
-        q = norm_rope_rows(q_rows, offs_h < QUERY_GROUP_SIZE, q_w_ptr, cos, sin, eps,
-                           HEAD_DIM, HALF, NORM, OFFSET)  # fmt: skip
-        one = tl.arange(0, 1)  # the newest key as a [1, HEAD_DIM] row
-        k_src = k_new_ptr + seq.to(tl.int64) * stride_kns + kv_head * stride_knh + one
-        k_new = norm_rope_rows(k_src, one == 0, k_w_ptr, cos, sin, eps, HEAD_DIM, HALF, NORM, OFFSET)
-        v_src = v_new_ptr + seq.to(tl.int64) * stride_vns + kv_head * stride_vnh
-        v_new = tl.load(v_src + one[:, None] + offs_d[None, :])
-        # the split that reads the newest position stores it: the cache holds it for later steps
-        slot_block, slot_offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        k_dst = k_cache_ptr + slot_block * stride_kcb + slot_offset * stride_kcs
-        v_dst = v_cache_ptr + slot_block * stride_vcb + slot_offset * stride_vcs
-        k_dst += kv_head * stride_kch + one[:, None] + offs_d[None, :]
-        v_dst += kv_head * stride_vch + one[:, None] + offs_d[None, :]
-        k_new, v_new = store_cast(k_new, k_dst), store_cast(v_new, v_dst)  # as the cache holds
-        holds_newest = (lo < hi) & (hi == seq_len) & (slot != PAD_SLOT)
-        store = offs_d[None, :] < tl.where(holds_newest, HEAD_DIM, 0)  # every dim, or none
-        tl.store(k_dst, k_new, mask=store)
-        tl.store(v_dst, v_new, mask=store)
-        if EARLY:
-            k_first = tl.where(newest, k_new, k_first)
-            v_first = tl.where(newest, v_new, v_first)
-        else:  # the key loop reads the newest key back: every thread's store done before
-            tl.debug_barrier()
-    else:
-        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=head_mask, other=0.0)
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_mask, other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -422,7 +347,6 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[num_seqs, H, D]`, over its paged context.
 
@@ -433,9 +357,6 @@ def paged_decode_attention(
     out: where to write (q's shape and dtype), else a new tensor. Returns it.
     order: int32 `[num_seqs]`, a permutation of the sequences, longest context first: their
     programs start in that order (None: batch order).
-    rope: q, and `rope.k`, as the QKV projection made them: q/k norm + RoPE are done here and
-    the newest k and v stored (the cache then holds every position < seq_len only after this
-    call); None: q rotated and the cache complete before the call.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -454,7 +375,7 @@ def paged_decode_attention(
         )
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms, config)
 
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_seqs == 0:
         return out
@@ -469,26 +390,9 @@ def paged_decode_attention(
     ordered = order is not None
     assert not ordered or order.shape == (num_seqs,)
     grid = (num_splits, num_kv_heads, num_seqs) if ordered else (num_seqs, num_kv_heads, num_splits)
-    if rope is not None:
-        new_k, new_v, cos = rope.k, rope.v, rope.cos
-        assert new_k.shape == new_v.shape == (num_seqs, num_kv_heads, head_dim)
-        assert new_k.stride(-1) == new_v.stride(-1) == 1 and cos.stride() == rope.sin.stride()
-        assert rope.positions.shape == rope.slot_mapping.shape == (num_seqs,)
-        assert (rope.q_weight is None) == (rope.k_weight is None)
-        norm = rope.q_weight is not None
-        rope_args = (
-            new_k, new_v, rope.q_weight if norm else q, rope.k_weight if norm else q, cos,
-            rope.sin, rope.positions, rope.slot_mapping, rope.eps,
-        )  # fmt: skip
-        rope_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-                        cos.stride(0))  # fmt: skip
-        half, offset = rope_layout(head_dim, cos)["HALF"], rope.offset
-    else:  # unused pointers and strides
-        rope_args, rope_strides = (q, q, q, q, q, q, seq_lens, seq_lens, 0.0), (0,) * 5
-        norm, half, offset = False, head_dim // 2, False
     _paged_decode_split_kernel[grid](
         q, k_cache, v_cache, seq_lens, block_tables, order if ordered else seq_lens,
-        part_out, part_lse, *rope_args,
+        part_out, part_lse,
         scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -496,7 +400,6 @@ def paged_decode_attention(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        *rope_strides,
         QUERY_GROUP_SIZE=group,
         BLOCK_H=max(MIN_BLOCK_H, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
@@ -506,11 +409,6 @@ def paged_decode_attention(
         ORDERED=ordered,
         WHOLE_TILES=config.whole_tiles,
         EARLY=early_loads_apply(config, num_heads, head_dim),
-        ROPE=rope is not None,
-        HALF=half,
-        NORM=norm,
-        OFFSET=offset,
-        PAD_SLOT=PAD_SLOT_ID,
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -165,11 +165,9 @@ PDL_KERNELS = [
 # What a kernel may read before its wait: what no kernel of the step writes (kernels/pdl.py)
 READ_BEFORE_WAIT = {
     "_qk_norm_rope_store_kernel": {"positions_ptr", "cos_ptr", "sin_ptr", "slot_mapping_ptr"},
-    # the step's inputs, with rope the position's cos and sin, and with early_loads its first
-    # tile's keys before the newest
+    # the step's inputs, and with early_loads its first tile's keys before the newest
     "_paged_decode_split_kernel": {
         "order_ptr", "seq_lens_ptr", "block_table_ptr", "k_ptrs", "v_ptrs",
-        "positions_ptr", "cos_ptr", "sin_ptr", "slot_mapping_ptr",
     },
 }  # fmt: skip
 

@@ -297,79 +297,6 @@ def test_paged_decode_padded_row_reads_nothing(num_splits):
     assert torch.equal(out[[0, 2]], expected[[0, 2]])
 
 
-def rotating_decode(
-    batch: PagedBatch, half: int, norm: bool, offset: bool, cache_dtype: torch.dtype | None = None
-):
-    """batch's queries as raw QKV output (q, k, v views into one (S, width) tensor), with what
-    rotates them (norm gains, a cos/sin table over `half` pairs) and the newest token's slot in
-    each sequence's last block; a padded row (seq_len 0) gets PAD_SLOT_ID. The caches are cast
-    to `cache_dtype` (e.g. fp8) if given."""
-    from phase7_optim.kernels.paged_decode import DecodeRope
-
-    b = batch
-    seqs, heads, dim = b.q.shape
-    kv_heads, dtype, device = b.k_cache.shape[2], b.q.dtype, b.q.device
-    block_size = b.k_cache.shape[1]
-    qkv = torch.randn(seqs, (heads + 2 * kv_heads) * dim).to(device, dtype)
-    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    q, k, v = q.view(seqs, heads, dim), k.view(seqs, kv_heads, dim), v.view(seqs, kv_heads, dim)
-    positions = (b.seq_lens.long() - 1).clamp(min=0)
-    blocks = b.block_tables[torch.arange(seqs), positions // block_size].long()
-    slots = torch.where(b.seq_lens > 0, blocks * block_size + positions % block_size, PAD_SLOT_ID)
-    angles = torch.arange(int(b.seq_lens.max()) + 1).float()[:, None] * torch.rand(half)[None, :]
-    gain = lambda: (torch.rand(dim) + 0.5).to(device, dtype) if norm else None  # noqa: E731
-    rope = DecodeRope(
-        k, v, gain(), gain(), angles.cos().to(device), angles.sin().to(device),
-        positions.to(device), slots.int().to(device), 1e-6, offset,
-    )  # fmt: skip
-    if cache_dtype is not None:
-        b = replace(b, k_cache=b.k_cache.to(cache_dtype), v_cache=b.v_cache.to(cache_dtype))
-    return b, q, rope
-
-
-def check_rotating_decode(b: PagedBatch, q, rope, num_splits, config=None) -> None:
-    """Decode attention with `rope` (q raw, the newest k and v stored by the kernel) against
-    qk_norm_rope_store's kernel and then decode attention: the same output and the same caches."""
-    from phase7_optim.kernels.fused import qk_norm_rope_store
-
-    r = rope
-    k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
-    q_rot = qk_norm_rope_store(q, r.k, r.v, r.q_weight, r.k_weight, r.cos, r.sin, r.positions,
-                               r.eps, k_cache, v_cache, r.slot_mapping, offset=r.offset)  # fmt: skip
-    args = (b.seq_lens, b.block_tables, b.scale)
-    expected = paged_decode_attention(q_rot, k_cache, v_cache, *args, num_splits, config)
-    out = paged_decode_attention(q, b.k_cache, b.v_cache, *args, num_splits, config, rope=rope)
-    assert_allclose(out, expected)
-    # the same math, summed in another order: a rotated key may round to the next value
-    ulp = {torch.float8_e4m3fn: 0.13, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-    tol = ulp.get(k_cache.dtype, 1e-5)
-    rotated, rotated_before = b.k_cache.float(), k_cache.float()
-    torch.testing.assert_close(rotated, rotated_before, atol=tol, rtol=tol)
-    assert torch.equal(b.v_cache.float(), v_cache.float())
-
-
-@interpreter
-@pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize(
-    "dtype, half, norm, offset, num_splits",
-    [
-        (torch.float32, 16, True, False, 3),  # Qwen3: q/k norm, every dim rotates
-        (torch.float16, 16, True, False, 4),
-        (torch.float32, 16, False, False, 1),  # Llama: no q/k norm; one split stores the output
-        (torch.float32, 4, True, True, 8),  # a partial RoPE, gains 1 + w; splits past the end
-    ],
-)
-def test_paged_decode_rotates_and_stores_the_newest_token(dtype, half, norm, offset, num_splits,
-                                                          early):  # fmt: skip
-    """`rope` (a decode-only step's q/k norm + RoPE + KV store inside decode attention, one
-    launch instead of two) gives what qk_norm_rope_store's kernel and then decode attention give,
-    with and without early loads; a padded row (seq_len 0, PAD_SLOT_ID) stores nothing."""
-    batch = make_paged_batch([1] * 5, [40, 0, 17, 63, 0], 4, 2, 32, 16, dtype, CPU)
-    batch.seq_lens[4] = 0
-    config = replace(MERGING, early_loads=early, direct_single_split=num_splits == 1)
-    check_rotating_decode(*rotating_decode(batch, half, norm, offset), num_splits, config)
-
-
 @interpreter
 def test_a_mixed_step_sends_its_leading_decodes_to_the_decode_kernel(monkeypatch):
     """Decodes first, then prompt chunks (one of them a single token): the decode kernel takes
@@ -520,17 +447,6 @@ def test_gpu_paged_decode_padded_rows_read_nothing():
     out = paged_decode_attention(*args)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.equal(out[[0, 2]], expected[[0, 2]])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
-@pytest.mark.parametrize("num_seqs", [1, 40])  # early loads (below 16 sequences) and not
-def test_gpu_paged_decode_rotates_and_stores_the_newest_token(num_seqs, cache_dtype):
-    """Qwen3-0.6B's attention (16 heads, 8 KV heads of 128) in bf16, the tuned config."""
-    contexts = [700, 15, 0, 2047, 63][:num_seqs] * (num_seqs // 5 + 1)
-    batch = make_paged_batch([1] * num_seqs, contexts[:num_seqs], 16, 8, 128, 16, torch.bfloat16,
-                             CUDA)  # fmt: skip
-    check_rotating_decode(*rotating_decode(batch, 64, True, False, cache_dtype), None)
 
 
 def compiled_for_hopper(code: str):

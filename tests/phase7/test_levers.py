@@ -9,7 +9,6 @@
 """
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -319,29 +318,12 @@ def test_each_lever_removes_the_launches_it_fuses(monkeypatch):
     baseline = count_launches(on, monkeypatch)
     off = lambda **lever: count_launches(KernelConfig(interpret_on_cpu=True, **lever), monkeypatch)  # noqa: E731
     assert off(fuse_add_rms_norm=False) == baseline + 2 * layers  # an add beside each norm
-    # q rope, k rope, store: 3 -> 0, all in decode attention (a decode-only step)
-    assert off(fuse_rope_kv_store=False) == baseline + 3 * layers
-    # the merge of a single split, and q/k norm + RoPE + store's kernel before attention
-    assert off(tune_decode_attention=False) == baseline + 2 * layers
+    assert off(fuse_rope_kv_store=False) == baseline + 2 * layers  # q rope, k rope, store: 3 -> 1
+    assert off(tune_decode_attention=False) == baseline + layers  # the merge of a single split
     assert off(gemv_max_batch=0) == baseline + layers  # a matmul for a GEMV, and SiLU's kernel
     assert off(fuse_silu_into_gemv=False) == baseline + layers  # SiLU-and-mul in down's GEMV
     assert off(programmatic_launch=False) == baseline  # how kernels start, not how many
     assert off(fold_norm_into_gemv=False) == baseline  # 3 rows: tl.dot, no norm in the GEMV
-
-
-@interpreter
-def test_decode_attention_rotates_and_stores_in_a_decode_only_step(monkeypatch):
-    """DecodeConfig.rope (kernels/paged_decode.py): with it decode attention takes q, k and v
-    raw and does q/k norm + RoPE + the KV store itself; without it their kernel runs first."""
-    from phase7_optim import kernels
-
-    baseline = count_launches(KernelConfig(interpret_on_cpu=True), monkeypatch)
-    tuned = kernels.default_decode_config
-    monkeypatch.setattr(kernels, "default_decode_config",
-                        lambda *args, **kw: replace(tuned(*args, **kw), rope=False))  # fmt: skip
-    assert count_launches(KernelConfig(interpret_on_cpu=True), monkeypatch) == (
-        baseline + TINY.num_layers
-    )
 
 
 @interpreter
