@@ -8,8 +8,9 @@ chat is admitted at the next step, even when the choices fill every running slot
 choice each are what phase 7's first come, first served saw: the chat then waits for a slot, that
 is for the choices to finish. The embedded SmolLM2, greedy, `ignore_eos`; the chat arrives
 ARRIVAL_DELAY_S after the big request, its time to first token is measured from its arrival.
-Run: python -m benchmarks.phase8_fairness [--quick] [--threads 1] [--out DIR]
-     (default DIR: a scratch folder; pass --out benchmarks/results to commit)
+Run: python -m benchmarks.phase8_fairness [--quick] [--threads 1] [--big-tokens N] [--out DIR]
+     (default DIR: a scratch folder; pass --out benchmarks/results to commit). On a GPU,
+     `--big-tokens 8000` is a huge request: 16 choices of 8,000 tokens.
 """
 
 import asyncio
@@ -56,12 +57,15 @@ async def chat_ttft(engine: AsyncLLM, grouped: bool, big_tokens: int) -> tuple[f
 
 
 def build_parser():
-    return benchmark_parser(__doc__)
+    parser = benchmark_parser(__doc__)
+    default = f"default {BIG_TOKENS}, {QUICK_BIG_TOKENS} with --quick"
+    parser.add_argument("--big-tokens", type=int, help=f"each choice's reply ({default})")
+    return parser
 
 
 def main() -> None:
     args = parse_args(build_parser())
-    big_tokens = QUICK_BIG_TOKENS if args.quick else BIG_TOKENS
+    big_tokens = args.big_tokens or (QUICK_BIG_TOKENS if args.quick else BIG_TOKENS)
     config = EngineConfig(max_num_seqs=MAX_NUM_SEQS)
     spec = EngineCoreSpec(str(default_model_dir()), config=config, num_threads=args.threads)
     engine = AsyncLLM.spawn(spec, "smollm2")
