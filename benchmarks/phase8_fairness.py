@@ -8,13 +8,16 @@ chat is admitted at the next step, even when the choices fill every running slot
 choice each are what phase 7's first come, first served saw: the chat then waits for a slot, that
 is for the choices to finish. The embedded SmolLM2, greedy, `ignore_eos`; the chat arrives
 ARRIVAL_DELAY_S after the big request, its time to first token is measured from its arrival.
-Run: python -m benchmarks.phase8_fairness [--quick] [--threads 1] [--big-tokens N] [--out DIR]
-     (default DIR: a scratch folder; pass --out benchmarks/results to commit). On a GPU,
-     `--big-tokens 8000` is a huge request: 16 choices of 8,000 tokens.
+Run: python -m benchmarks.phase8_fairness [--quick] [--threads 1] [--big-tokens N] [--qwen3]
+     [--out DIR] (default DIR: a scratch folder; pass --out benchmarks/results to commit). On a
+     GPU, `--qwen3 --big-tokens 8000`: Qwen3-0.6B's shapes with random weights (no download),
+     and a huge request, 16 choices of 8,000 tokens.
 """
 
 import asyncio
+import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.harness import benchmark_parser, parse_args, write_result
 from phase8_serving import SamplingParams
@@ -60,15 +63,34 @@ def build_parser():
     parser = benchmark_parser(__doc__)
     default = f"default {BIG_TOKENS}, {QUICK_BIG_TOKENS} with --quick"
     parser.add_argument("--big-tokens", type=int, help=f"each choice's reply ({default})")
+    parser.add_argument("--qwen3", action="store_true",
+                        help="Qwen3-0.6B's shapes, random weights, instead of SmolLM2")  # fmt: skip
     return parser
 
 
 def main() -> None:
     args = parse_args(build_parser())
     big_tokens = args.big_tokens or (QUICK_BIG_TOKENS if args.quick else BIG_TOKENS)
-    config = EngineConfig(max_num_seqs=MAX_NUM_SEQS)
-    spec = EngineCoreSpec(str(default_model_dir()), config=config, num_threads=args.threads)
-    engine = AsyncLLM.spawn(spec, "smollm2")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.qwen3:  # what phase8_serving.py serves: config.json and the tokenizer
+            from benchmarks.phase8_serving import QWEN3_0_6B, write_checkpoint
+            from tests import assets
+
+            model = write_checkpoint(Path(tmp), QWEN3_0_6B, assets.qwen3_tokenizer_dir())
+            config = EngineConfig(max_num_seqs=MAX_NUM_SEQS, load_format="dummy")
+        else:
+            model, config = default_model_dir(), EngineConfig(max_num_seqs=MAX_NUM_SEQS)
+        spec = EngineCoreSpec(str(model), config=config, num_threads=args.threads)
+        engine = AsyncLLM.spawn(spec, "qwen3" if args.qwen3 else "smollm2")
+        payload = measure_engine(engine, big_tokens)
+    payload["workload"]["model"] = (
+        "Qwen3-0.6B shapes, random weights" if args.qwen3 else "the embedded SmolLM2-135M-Instruct"
+    ) + ", greedy, ignore_eos"
+    payload["quick"] = args.quick
+    print(f"wrote {write_result('phase8_fairness', payload, args.out)}")
+
+
+def measure_engine(engine: AsyncLLM, big_tokens: int) -> dict:
 
     async def measure() -> dict:  # one event loop: AsyncLLM lives on it
         await chat_ttft(engine, True, 2)  # warm-up
@@ -83,10 +105,8 @@ def main() -> None:
         results = asyncio.run(measure())
     finally:
         engine.shutdown()
-    payload = {
-        "quick": args.quick,
+    return {
         "workload": {
-            "model": "the embedded SmolLM2-135M-Instruct, greedy, ignore_eos",
             "n": N,
             "big_tokens": big_tokens,
             "max_num_seqs": MAX_NUM_SEQS,
@@ -95,7 +115,6 @@ def main() -> None:
         },
         **results,
     }
-    print(f"wrote {write_result('phase8_fairness', payload, args.out)}")
 
 
 if __name__ == "__main__":
