@@ -179,6 +179,8 @@ class EngineCore:
                 engine.abort_request(request_id)
                 self.timing.pop(request_id, None)
             self.snapshot_owed = self.watched  # an idle core still shows the freed blocks
+            if not engine.requests:  # no step will follow to report it: the gauges go idle now
+                self._send(StepOutputs([], time.monotonic(), engine_stats(engine)))
         elif isinstance(message, WatchEngine):
             self._watch(message.watching)
         else:  # GetState

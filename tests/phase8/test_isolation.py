@@ -266,6 +266,29 @@ def test_a_client_hang_up_is_one_log_line(live_server, caplog):
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
+def test_the_gauges_show_an_engine_idle_after_hang_ups(live_server):
+    """vLLM's test_abort_metrics_reset: clients hang up, the engine goes idle through the
+    aborts alone (no step after them), and /metrics says so: nothing running, no KV block in
+    use, not the last step's numbers."""
+    body = {"prompt": [*SLOW_MARK, *b"bye"], "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=live_server.base_url) as client:
+        for _ in range(2):
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                next(r.iter_lines())
+        live_server.wait_until_idle(timeout=2.0)
+        deadline = time.monotonic() + 2.0
+        while True:
+            gauges = {}
+            for line in client.get("/metrics").text.splitlines():
+                name, value = line.partition("{")[0], line.rsplit(" ", 1)[-1]
+                if name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+                    gauges[name] = float(value)
+            if set(gauges.values()) == {0.0} or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert gauges == {"vllm:num_requests_running": 0.0, "vllm:kv_cache_usage_perc": 0.0}
+
+
 # -- what admitting a long token-id prompt costs ----------------------------------------------
 
 
