@@ -282,6 +282,20 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # a tool message's; handed to the template as is
+    # What the SDK's response message carries, so a client can append `message.model_dump()` to
+    # its history: accepted while they say nothing (no refusal, no tool call, no audio).
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("refusal", "annotations", "audio", "function_call", "tool_calls")
+    @classmethod
+    def _says_nothing(cls, value):
+        if value:  # None, or empty: what a plain reply's message holds
+            raise unsupported("only null or empty, as a plain reply holds it")
+        return value
 
     def for_template(self) -> dict[str, Any]:
         content = self.content

@@ -225,7 +225,10 @@ BAD = {  # endpoint, extra body, the param the error names
     "an unknown field": ("completions", {"guided_json": {}}, "guided_json"),
     "an unknown chat field": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
     "an unknown message field": (
-        "chat", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
+        "chat", {"messages": [{"role": "user", "content": "x", "weight": 2}]}, "messages"),
+    "a tool call in the history": ("chat", {"messages": [
+        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1"}]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"}]}, "messages"),
     "continuous usage": ("completions", {"stream": True, "stream_options": {
         "include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
     "logit_bias key not an id": ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
@@ -278,6 +281,19 @@ def test_do_nothing_values_of_unsupported_fields_are_accepted(http):
     same = complete(http, n=2, best_of=2, echo=False, suffix=None,
                     response_format={"type": "text"})  # fmt: skip
     assert same["choices"][0]["text"] == plain
+
+
+def test_a_reply_appended_as_the_sdk_dumps_it_goes_on_with_the_chat(client):
+    """`message.model_dump()` of a reply holds refusal, annotations, audio, function_call and
+    tool_calls, all null: the usual way to keep a history, so they are accepted as they are."""
+    first = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
+                                           temperature=0.0)  # fmt: skip
+    reply = first.choices[0].message.model_dump()
+    assert {"refusal", "tool_calls", "function_call", "audio"} <= set(reply)
+    history = [*MESSAGES, reply, {"role": "user", "content": "?"}]  # the tests' context: 48
+    second = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=1,
+                                            temperature=0.0)  # fmt: skip
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
 
 
 # -- request-level metrics -----------------------------------------------------------------
