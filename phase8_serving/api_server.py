@@ -158,10 +158,15 @@ def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(loc)}: {first['msg']}" if loc else first["msg"]
-        return error_response(400, message, param=loc[0] if loc else None)  # the body's field
+        # every error, not the first: a client fixing its request sees all it must change
+        messages, params = [], []
+        for error in exc.errors():
+            loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+            if error["type"] == "json_invalid":  # its loc is a character offset, not a field
+                loc = []
+            messages.append(f"{'.'.join(loc)}: {error['msg']}" if loc else error["msg"])
+            params.append(loc[0] if loc else None)
+        return error_response(400, "; ".join(messages), param=params[0])  # the first's field
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:

@@ -251,7 +251,11 @@ def check_prompt(info: CoreInfo, prompt: list[int], params: SamplingParams) -> N
         raise ValueError("the prompt must contain at least one token")
     params.check_token_ids(info.vocab_size)
     if min(prompt) < 0 or max(prompt) >= info.vocab_size:
-        raise ValueError(f"prompt token ids must be ints in [0, {info.vocab_size})")
+        outside = [t for t in prompt if not 0 <= t < info.vocab_size]
+        raise ValueError(
+            f"prompt token ids must be ints in [0, {info.vocab_size}): {outside[:5]} are out of "
+            "vocabulary"
+        )
     max_len = len(prompt) + params.max_tokens
     if max_len > info.max_model_len:  # within the model's context and the KV cache
         raise ValueError(

@@ -270,6 +270,23 @@ def test_token_ids_outside_the_vocabulary_are_400s(http, case, endpoint):
     assert_still_serving(http)
 
 
+def test_a_400_names_every_invalid_field_and_no_json_offset_as_one(http):
+    """All of the body's errors in one message (the first's field as `param`), and a body that
+    is no JSON at all names no field: pydantic locates that error at a character offset."""
+    error = assert_openai_error(post(http, "chat", {"logit_bias": {"bad1": 5, "bad2": 2}}), 400,
+                                "logit_bias")  # fmt: skip
+    assert "bad1" in error["message"] and "bad2" in error["message"]
+    error = assert_openai_error(post(http, "completions", {"max_tokens": "4", "n": 0}), 400)
+    assert "max_tokens" in error["message"] and "n:" in error["message"]
+    broken = http.post("/v1/completions", content=b'{"prompt": "hi",',
+                       headers={"content-type": "application/json"})  # fmt: skip
+    error = assert_openai_error(broken, 400, None)
+    assert error["param"] is None and "JSON" in error["message"]
+    error = assert_openai_error(post(http, "completions", {"prompt": [7, 100000]}), 400)
+    assert "out of vocabulary" in error["message"] and "100000" in error["message"]
+    assert_still_serving(http)
+
+
 def test_do_nothing_values_of_unsupported_fields_are_accepted(http):
     plain = chat(http)["choices"][0]["message"]["content"]
     accepted = chat(http, tools=[], tool_choice="none", response_format={"type": "text"},
