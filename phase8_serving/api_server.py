@@ -8,8 +8,9 @@ hands the order to the kitchen (`AsyncLLM`) and carries the dishes back, at once
 course as server-sent events. This file holds the routes and what guards all of them.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from protocol.py's
-models), GET /dashboard (dashboard.py: the engine, live in a browser; off with
+POST /tokenize and POST /detokenize (vLLM's: a prompt's or a chat's token ids, and back),
+GET /version, GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from
+protocol.py's models), GET /dashboard (dashboard.py: the engine, live in a browser; off with
 `enable_dashboard=False`).
 
 Nothing one client sends stalls the others: a body over `max_request_body_bytes` is a 413 before
@@ -24,6 +25,7 @@ missing or wrong API key 401, a body over the limit 413; a dead engine core is a
 
 import contextlib
 import gc
+import importlib.metadata
 import logging
 import secrets
 
@@ -36,12 +38,22 @@ from .async_engine import AsyncLLM, EngineDeadError
 from .config import ServerConfig
 from .dashboard import add_dashboard, dashboard_credential
 from .metrics import CONTENT_TYPE
-from .protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    InvalidRequest,
+    TokenizeRequest,
+)
 from .responses import model_card
 from .serving_engine import FastJSONResponse, OpenAIServing, error_response
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = ("/health",)  # reachable without the API key
+OPEN_PATHS = ("/health", "/version")  # reachable without the API key
+try:
+    VERSION = importlib.metadata.version("mini-vllm")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+    VERSION = "unknown (not installed)"
 
 
 @contextlib.asynccontextmanager
@@ -73,9 +85,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.serve(body, request)
 
+    def card() -> dict:
+        return model_card(config.model_name, config.max_model_len, config.model_root)
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(config.model_name, config.max_model_len)]}
+        return {"object": "list", "data": [card()]}
 
     @app.get("/v1/models/{model_id:path}")  # :path: hub ids have a slash (Qwen/Qwen3-0.6B)
     async def model(model_id: str) -> dict:
@@ -83,7 +98,19 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             raise InvalidRequest(
                 f"The model `{model_id}` does not exist.", "model", 404, "model_not_found"
             )
-        return model_card(config.model_name, config.max_model_len)
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await server.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
 
     @app.get("/health")
     async def health() -> Response:

@@ -312,6 +312,7 @@ class ServerConfig:
     max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST  # prompts x n, at most
     enable_log_requests: bool = False  # a log line per request (uvicorn's access log too)
     enable_dashboard: bool = True  # GET /dashboard
+    model_root: str | None = None  # the checkpoint model_name serves (the model card's root)
 
     def __post_init__(self):
         if self.max_model_len < 2:

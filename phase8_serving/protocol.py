@@ -351,3 +351,32 @@ class ChatCompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the template, as token
+    ids, to count a prompt before sending it."""
+
+    model_config = STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    # None: True for a prompt (Llama 3's BOS), False for messages (the template holds them)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
+    return_token_strs: bool = False  # the tokens' own strings, as the vocabulary spells them
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("prompt_or_messages", "give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[int]

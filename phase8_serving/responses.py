@@ -121,6 +121,7 @@ def completion_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dic
                 "text": c.text,
                 "logprobs": completion_logprobs(c, c.logprobs, c.text_offsets),
                 "finish_reason": c.finish_reason,
+                "prompt_logprobs": None,  # vLLM's field; asking for them is a 400 (protocol.py)
             }
             for c in choices
         ],
@@ -142,6 +143,7 @@ def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> 
             for c in choices
         ],
         "usage": usage_,
+        "prompt_logprobs": None,
     }
 
 
@@ -169,10 +171,11 @@ def chat_role_chunk(meta: dict, choice: ChoiceStream) -> dict:
     return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
 
 
-def model_card(name: str, max_model_len: int) -> dict:
-    """GET /v1/models/{name}, and each entry of GET /v1/models."""
+def model_card(name: str, max_model_len: int, root: str | None = None) -> dict:
+    """GET /v1/models/{name}, and each entry of GET /v1/models; vLLM's fields beside OpenAI's:
+    `root` the checkpoint the name serves, `parent` the base model of an adapter (none here)."""
     return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mini-vllm",
-            "max_model_len": max_model_len}  # fmt: skip
+            "root": root or name, "parent": None, "max_model_len": max_model_len}  # fmt: skip
 
 
 def usage_chunk(meta: dict, usage_: dict, chat: bool) -> dict:

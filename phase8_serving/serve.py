@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace) -> None:
             max_request_body_bytes=args.max_request_body_bytes,
             max_choices_per_request=args.max_choices_per_request,
             enable_log_requests=args.enable_log_requests,
-            enable_dashboard=not args.disable_dashboard,
+            enable_dashboard=not args.disable_dashboard, model_root=args.model,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)

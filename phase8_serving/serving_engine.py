@@ -40,8 +40,10 @@ from .config import ServerConfig
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     InvalidRequest,
     SamplingRequest,
+    TokenizeRequest,
     error_body,
 )
 from .responses import (
@@ -98,12 +100,15 @@ class OpenAIServing:
         self.config = config
         self.tokenizer = llm.tokenizer
 
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise InvalidRequest(
+                f"The model `{model}` does not exist.", "model", 404, "model_not_found"
+            )
+
     async def serve(self, body: SamplingRequest, request: Request) -> Response:
         check_no_lone_surrogate(body)  # before anything quotes the client's text back
-        if body.model is not None and body.model != self.config.model_name:
-            raise InvalidRequest(
-                f"The model `{body.model}` does not exist.", "model", 404, "model_not_found"
-            )
+        self.check_model(body.model)
         chat = isinstance(body, ChatCompletionRequest)
         num_choices = body.n * (1 if chat else len(body.prompts()))
         if num_choices > self.config.max_choices_per_request:
@@ -143,13 +148,7 @@ class OpenAIServing:
         (token ids alone are checked on the event loop: a hop to a thread cost more)."""
         tok = self.tokenizer
         if isinstance(body, ChatCompletionRequest):
-            messages = [m.for_template() for m in body.messages]
-            try:
-                text = tok.apply_chat_template(
-                    messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
-                )
-            except Exception as e:  # the template is code we run on the client's input
-                raise InvalidRequest(f"the chat template failed: {e}", "messages") from e
+            text = self._render_chat(body)
             return tok.encode_batch([text], add_special_tokens=False)  # the template holds them
         prompts = body.prompts()
         texts = [p for p in prompts if isinstance(p, str)]
@@ -158,6 +157,47 @@ class OpenAIServing:
         if not all(prompts):
             raise InvalidRequest("the prompt must contain at least one token", "prompt")
         return prompts
+
+    def _render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
+        messages = [m.for_template() for m in body.messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
+            )
+        except Exception as e:  # the template is code we run on the client's input
+            raise InvalidRequest(f"the chat template failed: {e}", "messages") from e
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """POST /tokenize: the token ids a completion or chat request with this prompt would
+        send the engine (and how many the server allows, prompt and reply together)."""
+        check_no_lone_surrogate(body)
+        self.check_model(body.model)
+        tokens = await self.llm.run_in_tokenizer_pool(self._tokenize, body)
+        strs = (
+            [self.tokenizer.backend.id_to_token(t) for t in tokens]
+            if body.return_token_strs
+            else None
+        )
+        return {"count": len(tokens), "max_model_len": self.config.max_model_len,
+                "tokens": tokens, "token_strs": strs}  # fmt: skip
+
+    def _tokenize(self, body: TokenizeRequest) -> list[int]:
+        chat = body.messages is not None
+        text = self._render_chat(body) if chat else body.prompt
+        special = not chat if body.add_special_tokens is None else body.add_special_tokens
+        return self.tokenizer.encode_batch([text], add_special_tokens=special)[0]
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        """POST /detokenize: the text of these token ids, special tokens included."""
+        self.check_model(body.model)
+        vocab_size = self.tokenizer.vocab_size
+        outside = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if outside:
+            raise InvalidRequest(
+                f"tokens must be ints in [0, {vocab_size}): {outside[:5]} are out of vocabulary",
+                "tokens",
+            )
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def _open(
         self, request_id: str, body: SamplingRequest, prompts: list[list[int]]

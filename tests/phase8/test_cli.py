@@ -275,6 +275,7 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
             model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
         )
         assert [c.choices[0].finish_reason for c in stream][-1] in ("stop", "length")
+        assert client.models.retrieve("tiny").root == str(tiny_dir)  # the name's checkpoint
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -21,7 +21,7 @@ import pytest
 
 from phase8_serving.metrics import RequestTiming, build_1_2_5_buckets, finished_request_stats
 
-from .conftest import ENGINE, MODEL_NAME, assert_openai_error
+from .conftest import ENGINE, MAX_MODEL_LEN, MODEL_NAME, assert_openai_error
 
 GREEDY = {"temperature": 0.0}
 MESSAGES = [{"role": "user", "content": "Hi!"}]
@@ -147,11 +147,55 @@ def test_get_one_model(http, client):
         k: v for k, v in listed.items() if k != "created"
     }
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    assert (card["root"], card["parent"]) == (MODEL_NAME, None)  # vLLM's fields: no path given
     for unknown in ("gpt-5", "org/name"):  # a hub id's slash still reaches the route
         error = assert_openai_error(http.get(f"/v1/models/{unknown}"), 404, "model")
         assert error["code"] == "model_not_found" and unknown in error["message"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-5")
+    assert_still_serving(http)
+
+
+# -- tokenize, detokenize, version (vLLM's) -------------------------------------------------
+
+
+def test_tokenize_gives_what_a_request_would_send(http, live_server):
+    tokenizer = live_server.llm.tokenizer
+    got = http.post("/tokenize", json={"prompt": "Hello there"}).json()
+    assert got["tokens"] == tokenizer.encode("Hello there") and got["token_strs"] is None
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == MAX_MODEL_LEN
+    strs = http.post("/tokenize", json={"prompt": "Hi", "return_token_strs": True}).json()
+    assert strs["token_strs"] == [tokenizer.backend.id_to_token(t) for t in strs["tokens"]]
+    # messages: the template's tokens, as many as the chat request's usage counts
+    counted = http.post("/tokenize", json={"messages": MESSAGES, "model": MODEL_NAME}).json()
+    assert counted["count"] == chat(http)["usage"]["prompt_tokens"]
+    text = http.post("/detokenize", json={"tokens": got["tokens"]}).json()
+    assert text == {"prompt": "Hello there"}
+    assert http.get("/version").json()["version"]
+
+
+def test_prompt_logprobs_is_vllms_null(http):
+    """vLLM's responses carry `prompt_logprobs` (per choice; top level in chat), null unless
+    asked for: clients read it, and asking is a 400 here."""
+    assert complete(http)["choices"][0]["prompt_logprobs"] is None
+    assert chat(http)["prompt_logprobs"] is None
+    assert_openai_error(post(http, "completions", {"prompt_logprobs": 1}), 400, "prompt_logprobs")
+
+
+@pytest.mark.parametrize(
+    "route, body, status, param",
+    [
+        ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, None),  # one or the other
+        ("/tokenize", {}, 400, None),
+        ("/tokenize", {"prompt": 7}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "gpt-5"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, 100000]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "1"}, 400, "tokens"),
+    ],
+)
+def test_tokenize_and_detokenize_refuse_bad_bodies(http, route, body, status, param):
+    assert_openai_error(http.post(route, json=body), status, param)
     assert_still_serving(http)
 
 

@@ -122,6 +122,9 @@ def test_api_key(live_server):
     wrong = {"authorization": "Bearer wrong"}
     assert_openai_error(httpx.post(url + "/v1/completions", json=body, headers=wrong), 401, None)
     assert httpx.get(url + "/health").status_code == 200  # open without the key
+    assert httpx.get(url + "/version").status_code == 200
+    for route in ("/tokenize", "/detokenize"):  # they run the tokenizer: the key's to spend
+        assert_openai_error(httpx.post(url + route, json={"tokens": [1]}), 401, None)
     client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
     assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
 
