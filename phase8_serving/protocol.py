@@ -80,14 +80,8 @@ def error_body(message: str, type_: str, param: str | None, code: str | int | No
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool | None = False
-    continuous_usage_stats: bool = False  # vLLM's; accepted when off
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _off(cls, value: bool) -> bool:
-        if value:
-            raise unsupported("usage in every chunk")
-        return value
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool | None = False
 
 
 class ResponseFormat(BaseModel):
@@ -140,6 +134,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @abc.abstractmethod
     def requested_max_tokens(self) -> int | None:

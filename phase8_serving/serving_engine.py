@@ -225,16 +225,24 @@ class OpenAIServing:
         """The SSE body: one write per engine step with every choice's news of that step."""
         chunk = chat_chunk if chat else completion_chunk
         extra = {"usage": None} if body.include_usage else {}  # OpenAI's shape with usage on
+
+        def usage_so_far(choice: ChoiceStream) -> dict:  # `continuous_usage_stats`
+            if not body.continuous_usage:
+                return extra
+            return {"usage": usage([prompts[choice.index // body.n]], [choice])}
+
         tail = []
         try:
             if chat:  # the role comes first, once per choice, as OpenAI sends it
-                yield b"".join(_sse({**chat_role_chunk(meta, c), **extra}) for c in choices)
+                yield b"".join(
+                    _sse({**chat_role_chunk(meta, c), **usage_so_far(c)}) for c in choices
+                )
             async for deltas in stream:
                 events = []
                 for index, delta in deltas.items():
                     choice = choices[index]
                     if choice.add(delta):  # rendered now: text_offset reads the choice's totals
-                        events.append(_sse({**chunk(meta, choice, delta), **extra}))
+                        events.append(_sse({**chunk(meta, choice, delta), **usage_so_far(choice)}))
                 if events:
                     yield b"".join(events)
             if body.include_usage:

@@ -156,6 +156,29 @@ def test_get_one_model(http, client):
     assert_still_serving(http)
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_give_every_chunk_its_choices_usage(http, endpoint):
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): each chunk carries
+    the usage of its choice so far; the last chunk the request's, as without it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"max_tokens": 5, "n": 2, "stream": True, "ignore_eos": True, "stream_options": options}
+    response = post(http, endpoint, body)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    *with_choices, last = chunks
+    seen = {}
+    for chunk in with_choices:
+        usage, (choice,) = chunk["usage"], chunk["choices"]
+        assert usage["prompt_tokens"] == last["usage"]["prompt_tokens"]  # one prompt
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= seen.get(choice["index"], 0)
+        seen[choice["index"]] = usage["completion_tokens"]
+    assert seen == {0: 5, 1: 5} and last["usage"]["completion_tokens"] == 10
+    options["include_usage"] = False  # vLLM's rule: continuous only with include_usage
+    plain = post(http, endpoint, {**body, "stream_options": options}).text
+    assert '"usage"' not in plain
+
+
 # -- tokenize, detokenize, version (vLLM's) -------------------------------------------------
 
 
@@ -273,8 +296,6 @@ BAD = {  # endpoint, extra body, the param the error names
     "a tool call in the history": ("chat", {"messages": [
         *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1"}]},
         {"role": "tool", "content": "42", "tool_call_id": "call_1"}]}, "messages"),
-    "continuous usage": ("completions", {"stream": True, "stream_options": {
-        "include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
     "logit_bias key not an id": ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
     "logit_bias key negative": ("completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
     "logit_bias > 100": ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
