@@ -44,7 +44,9 @@ MAX_N = 16  # completions per prompt one request may ask for
 # Stop strings per request: every step searches each of them in every running request's new text
 # (in the front end, on the event loop), so thousands would slow everyone's stream.
 MAX_STOP_STRINGS = 64
-MAX_SEED = 2**63 - 1 - MAX_N  # choice i of n uses seed + i, which must fit torch's 64-bit seed
+# Any 64-bit signed seed, as vLLM takes (OpenAI's API says only "integer"); choice i of n uses
+# seed + i, wrapped into the engine's [0, 2**64) (torch's seed range)
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -101,7 +103,7 @@ class SamplingRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off, as in vLLM
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: NonEmptyStr | StopList | None = None
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
@@ -185,7 +187,7 @@ class SamplingRequest(BaseModel):
         return SamplingParams(
             **given,
             max_tokens=max_tokens,
-            seed=None if self.seed is None else self.seed + choice,
+            seed=None if self.seed is None else (self.seed + choice) % 2**64,
             stop=self.stop or (),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,

@@ -179,6 +179,17 @@ def test_continuous_usage_stats_give_every_chunk_its_choices_usage(http, endpoin
     assert '"usage"' not in plain
 
 
+def test_any_signed_64_bit_seed_is_taken(http):
+    """vLLM takes the whole signed 64-bit range (OpenAI says only "integer"); choice i of n
+    uses seed + i, wrapped into the engine's [0, 2**64): still seeded, even at the ends."""
+    for seed in (-1, -(2**63), 2**63 - 1):
+        body = {"temperature": 1.0, "seed": seed, "n": 2}
+        texts = [c["text"] for c in complete(http, **body)["choices"]]
+        assert texts == [c["text"] for c in complete(http, **body)["choices"]]
+    for seed in (-(2**63) - 1, 2**63):
+        assert_openai_error(post(http, "completions", {"seed": seed}), 400, "seed")
+
+
 # -- tokenize, detokenize, version (vLLM's) -------------------------------------------------
 
 
