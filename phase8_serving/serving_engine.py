@@ -172,32 +172,33 @@ class OpenAIServing:
         send the engine (and how many the server allows, prompt and reply together)."""
         check_no_lone_surrogate(body)
         self.check_model(body.model)
-        tokens = await self.llm.run_in_tokenizer_pool(self._tokenize, body)
-        strs = (
-            [self.tokenizer.backend.id_to_token(t) for t in tokens]
-            if body.return_token_strs
-            else None
-        )
-        return {"count": len(tokens), "max_model_len": self.config.max_model_len,
-                "tokens": tokens, "token_strs": strs}  # fmt: skip
+        return await self.llm.run_in_tokenizer_pool(self._tokenize, body)  # as a prompt is
 
-    def _tokenize(self, body: TokenizeRequest) -> list[int]:
+    def _tokenize(self, body: TokenizeRequest) -> dict:
         chat = body.messages is not None
         text = self._render_chat(body) if chat else body.prompt
         special = not chat if body.add_special_tokens is None else body.add_special_tokens
-        return self.tokenizer.encode_batch([text], add_special_tokens=special)[0]
+        tokens = self.tokenizer.encode_batch([text], add_special_tokens=special)[0]
+        strs = None
+        if body.return_token_strs:
+            strs = [self.tokenizer.backend.id_to_token(t) for t in tokens]
+        return {"count": len(tokens), "max_model_len": self.config.max_model_len,
+                "tokens": tokens, "token_strs": strs}  # fmt: skip
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         """POST /detokenize: the text of these token ids, special tokens included."""
         self.check_model(body.model)
+        return await self.llm.run_in_tokenizer_pool(self._detokenize, body.tokens)
+
+    def _detokenize(self, tokens: list[int]) -> dict:
         vocab_size = self.tokenizer.vocab_size
-        outside = [t for t in body.tokens if not 0 <= t < vocab_size]
+        outside = [t for t in tokens if not 0 <= t < vocab_size]
         if outside:
             raise InvalidRequest(
                 f"tokens must be ints in [0, {vocab_size}): {outside[:5]} are out of vocabulary",
                 "tokens",
             )
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": self.tokenizer.decode(tokens)}
 
     async def _open(
         self, request_id: str, body: SamplingRequest, prompts: list[list[int]]
