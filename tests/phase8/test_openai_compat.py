@@ -3,10 +3,12 @@
 - logprobs always hold the sampled token (completions: up to logprobs + 1 entries; chat: exactly
   top_logprobs, the sampled one among them);
 - a stream's `text_offset` equals the whole response's while a stop string holds text back;
-- `GET /v1/models/{id}`;
+- `GET /v1/models/{id}` (with vLLM's `root` and `parent`), and vLLM's `/tokenize`,
+  `/detokenize`, `/version`, `prompt_logprobs: null`, `continuous_usage_stats` and signed seeds;
 - `logit_bias`, `min_tokens` (vLLM's rules for EOS, stop tokens and stop strings), `top_k` -1/0;
-- every field the server does not implement is a 400 naming it, never silently ignored; the
-  do-nothing values of those fields are accepted;
+- every field the server does not implement is a 400 naming it, never silently ignored (a 400
+  names every invalid field); the do-nothing values of those fields are accepted, and so is a
+  reply appended to the history as the SDK dumps it;
 - vLLM's request-level metric families, checked against the responses' usage.
 
 Oracles: the tokenizer (which token a forced id is), the same request without the field, usage.
