@@ -91,6 +91,7 @@ def main() -> None:
 
 
 def measure_engine(engine: AsyncLLM, big_tokens: int) -> dict:
+    """The chat's TTFT beside the big request, grouped and as N requests; the engine shut down."""
 
     async def measure() -> dict:  # one event loop: AsyncLLM lives on it
         await chat_ttft(engine, True, 2)  # warm-up

@@ -285,7 +285,7 @@ def _sse(payload: dict) -> bytes:
     return b"data: " + dumps(payload) + b"\n\n"
 
 
-def check_no_lone_surrogate(body: SamplingRequest) -> None:
+def check_no_lone_surrogate(body: SamplingRequest | TokenizeRequest) -> None:
     """A lone UTF-16 surrogate ("\\ud800" in JSON) is valid JSON but no text: nothing can encode
     it (the tokenizer, the reply), so it is refused up front, naming where it was."""
     # token ids hold no text: a prompt of thousands of them is neither copied nor walked
