@@ -44,7 +44,6 @@ from .output_processor import (
     OutputProcessor,
     RequestOutputCollector,
     RequestState,
-    make_detokenizer,
 )
 from .sampling_params import SamplingParams
 from .streaming import OutputDelta
@@ -194,10 +193,9 @@ class AsyncLLM:
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         requests = []
         for index, (engine_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-            detokenizer = make_detokenizer(self.tokenizer, prompt, p.skip_special_tokens)
             self.processor.add(
-                RequestState(engine_id, index, collector, detokenizer, p.stop, core.index,
-                             len(prompt), p.max_tokens, p.min_tokens)
+                RequestState.start(engine_id, index, collector, self.tokenizer, prompt, p,
+                                   core.index)
             )  # fmt: skip
             core.num_requests += 1
             core.num_tokens += len(prompt) + p.max_tokens

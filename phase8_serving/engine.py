@@ -97,7 +97,6 @@ from .output_processor import (
     OutputProcessor,
     RequestOutputCollector,
     RequestState,
-    make_detokenizer,
 )
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
 from .sampling_params import SEED_LIMIT, SamplingParams
@@ -121,6 +120,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort"; None while running
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if the request asked
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it
 
 
 @dataclass
@@ -565,10 +565,8 @@ class LLM:
         request_id = self.engine.add_request(prompt, params, request_id)
         request = self.engine.requests[request_id]
         prompt_ids = request.seq.prompt_token_ids
-        tokenizer = self.engine.tokenizer
-        detokenizer = make_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        state = RequestState(request_id, 0, RequestOutputCollector(), detokenizer, params.stop,
-                             0, len(prompt_ids), params.max_tokens, params.min_tokens)  # fmt: skip
+        state = RequestState.start(request_id, 0, RequestOutputCollector(), self.engine.tokenizer,
+                                   prompt_ids, params)  # fmt: skip
         self.processor.add(state)
         prompt_text = prompt if isinstance(prompt, str) else None
         self.requests[request_id] = LLMRequest(request, prompt_text, state, output_kind)
@@ -627,7 +625,7 @@ class LLM:
         seq = llm_request.request.seq
         logprobs = None if delta.logprobs is None else list(delta.logprobs)
         completion = CompletionOutput(0, delta.text, list(delta.token_ids), delta.finish_reason,
-                                      logprobs)  # fmt: skip
+                                      logprobs, delta.stop_reason)  # fmt: skip
         return RequestOutput(seq.request_id, llm_request.prompt, seq.prompt_token_ids,
                              [completion], delta.finish_reason is not None)  # fmt: skip
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from .core_messages import EngineCoreOutput, StepOutputs
 from .logprobs import TokenLogprobs
 from .metrics import EngineMetrics, RequestTiming
+from .sampling_params import SamplingParams
 from .streaming import OutputDelta, held_back_length
 from .tokenizer import (
     DETOKENIZE_CONTEXT_TOKENS,
@@ -122,22 +123,25 @@ class PendingOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
+    stop_reason: int | str | None
 
     @classmethod
     def start(cls, delta: OutputDelta) -> "PendingOutput":
         logprobs = None if delta.logprobs is None else list(delta.logprobs)
-        return cls([delta.text], list(delta.token_ids), logprobs, delta.finish_reason)
+        return cls([delta.text], list(delta.token_ids), logprobs, delta.finish_reason,
+                   delta.stop_reason)  # fmt: skip
 
     def add(self, delta: OutputDelta) -> None:
         self.texts.append(delta.text)
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
-        self.finish_reason = delta.finish_reason
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
     def delta(self) -> OutputDelta:
         """Everything added, as one delta."""
-        return OutputDelta("".join(self.texts), self.token_ids, self.logprobs, self.finish_reason)
+        return OutputDelta("".join(self.texts), self.token_ids, self.logprobs, self.finish_reason,
+                           self.stop_reason)  # fmt: skip
 
 
 def pending_delta(pending: OutputDelta | PendingOutput) -> OutputDelta:
@@ -200,19 +204,36 @@ class RequestState:
     num_prompt_tokens: int
     max_tokens: int
     min_tokens: int = 0  # no stop string ends the request before this many tokens (vLLM's rule)
+    stop_token_ids: frozenset[int] = frozenset()  # those that are a stop_reason (EOS is not)
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text keeps it
     timing: RequestTiming = field(default_factory=RequestTiming)
     unsent_text: str = ""  # made but not sent yet: a tail that may begin a stop string
     num_output_tokens: int = 0
+
+    @classmethod
+    def start(cls, request_id: str, index: int, collector: RequestOutputCollector,
+              tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+              core: int = 0) -> "RequestState":  # fmt: skip
+        """The state of a request about to be sent to engine core `core`."""
+        detokenizer = make_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        # vLLM's rule: EOS ending a request is no stop_reason, even if stop_token_ids names it
+        eos = frozenset() if params.ignore_eos else frozenset(tokenizer.eos_token_ids)
+        return cls(request_id, index, collector, detokenizer, params.stop, core, len(prompt_ids),
+                   params.max_tokens, params.min_tokens, frozenset(params.stop_token_ids) - eos,
+                   params.include_stop_str_in_output)  # fmt: skip
 
     # exercise 8.3: the front end's half of a step (token ids to text, stop strings, hold-back)
     def update(self, output: EngineCoreOutput) -> OutputDelta:
         """One step's token ids as a delta of text that no later step will take back.
 
         A finish reason "stop" from the core means the last id is a stop token (EOS or one of
-        stop_token_ids): it counts as a token but has no text. A stop string found here ends the
-        request with "stop" and the text is cut before it. While the request runs, the longest
-        tail of the text that begins some stop string is held back. Within `min_tokens`, stop
-        strings are not searched: one counts only if it ends in text of a later token.
+        stop_token_ids): it counts as a token but has no text, and is the stop_reason if it is
+        one of `stop_token_ids`. A stop string found here ends the request with "stop", is its
+        stop_reason, and the text is cut before it (after it, with `include_stop_str`). While
+        the request runs, the longest tail of the text that begins some stop string is held back
+        (with `include_stop_str` too: a match is searched in the unsent text only). Within
+        `min_tokens`, stop strings are not searched: one counts only if it ends in text of a
+        later token.
 
         Only the unsent text is kept, never the whole (the handler has what was sent): a stop
         string that ends in the new text cannot begin in text already sent, or that text's
@@ -220,21 +241,22 @@ class RequestState:
         and the new, and a step costs the same at the 1st token as at the 10,000th.
         """
         ids, reason = output.new_token_ids, output.finish_reason
+        stop_reason = ids[-1] if reason == "stop" and ids[-1] in self.stop_token_ids else None
         new_text = self.detokenizer.add_tokens(ids[:-1] if reason == "stop" else ids)
         if reason is not None and reason != "stop":
             new_text += self.detokenizer.flush()  # a character split at max_tokens shows up
         self.num_output_tokens += len(ids)
         if not self.stops:  # nothing to search or hold back (most requests, every step)
-            return OutputDelta(new_text, ids, output.new_logprobs, reason)
+            return OutputDelta(new_text, ids, output.new_logprobs, reason, stop_reason)
         text = self.unsent_text + new_text
         searched = new_text and self.num_output_tokens > self.min_tokens
         match = find_stop_string(text, self.stops, len(new_text)) if searched else None
         if match is not None:
-            text = text[: match.index]
-            reason = "stop"
+            text = text[: match.index + (len(match.stop) if self.include_stop_str else 0)]
+            reason, stop_reason = "stop", match.stop
         end = len(text) - (held_back_length(text, self.stops) if reason is None else 0)
         self.unsent_text = text[end:]
-        return OutputDelta(text[:end], ids, output.new_logprobs, reason)
+        return OutputDelta(text[:end], ids, output.new_logprobs, reason, stop_reason)
 
 
 class OutputProcessor:

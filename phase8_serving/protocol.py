@@ -9,7 +9,7 @@ NaN is not a temperature). FastAPI derives `/openapi.json` from them, so the sch
 fuzzers see is exactly what is enforced. `sampling_params` turns a valid body into the engine's
 `SamplingParams`; what needs the tokenized prompt (the context length) is checked there.
 vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty, ignore_eos,
-stop_token_ids, skip_special_tokens, min_tokens, chat_template_kwargs.
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs.
 
 Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
 `extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
@@ -106,6 +106,7 @@ class SamplingRequest(BaseModel):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: NonEmptyStr | StopList | None = None
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
     presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     repetition_penalty: float | None = Field(
@@ -190,6 +191,7 @@ class SamplingRequest(BaseModel):
             seed=None if self.seed is None else (self.seed + choice) % 2**64,
             stop=self.stop or (),
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=self.requested_logprobs(),

@@ -14,7 +14,8 @@ logprobs + 1 entries; `logprobs: 0` gives the sampled token alone). Chat lists e
 `top_logprobs` entries, most likely first, the sampled token taking the last place when it is not
 among them (vLLM's rule: the sampled token is always there). A completion's `text_offset` counts
 the characters of the tokens before it, so a stream, whose text may lag its tokens while a stop
-string is held back, gives the same offsets as the whole response.
+string is held back, gives the same offsets as the whole response. Each choice also carries vLLM's
+`stop_reason`: the stop string or `stop_token_ids` entry that ended it (null for EOS or a length).
 """
 
 import time
@@ -37,6 +38,7 @@ class ChoiceStream:
         self.text_offsets: list[int] = []  # per logprob entry: its token's offset in the text
         self.num_token_chars = 0  # characters of the tokens with logprobs so far
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
 
     def add(self, delta: OutputDelta) -> bool:
         """Adds a delta to the totals; True if it is worth sending (new text, new logprobs, or
@@ -48,7 +50,7 @@ class ChoiceStream:
             for lp in delta.logprobs:
                 self.text_offsets.append(self.num_token_chars)
                 self.num_token_chars += len(self.token_text(lp.token_id))
-        self.finish_reason = delta.finish_reason
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         return bool(delta.text or delta.logprobs or delta.finish_reason)
 
     def token_text(self, token_id: int) -> str:
@@ -121,6 +123,7 @@ def completion_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dic
                 "text": c.text,
                 "logprobs": completion_logprobs(c, c.logprobs, c.text_offsets),
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
                 "prompt_logprobs": None,  # vLLM's field; asking for them is a 400 (protocol.py)
             }
             for c in choices
@@ -139,6 +142,7 @@ def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> 
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": None if c.logprobs is None else chat_logprobs(c, c.logprobs),
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
             for c in choices
         ],
@@ -152,7 +156,7 @@ def completion_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> di
     offsets = choice.text_offsets[len(choice.text_offsets) - num_new :]
     logprobs = completion_logprobs(choice, delta.logprobs, offsets)
     entry = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
-             "finish_reason": delta.finish_reason}  # fmt: skip
+             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
     return {**meta, "object": "text_completion", "choices": [entry]}
 
 
@@ -160,14 +164,14 @@ def chat_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
     logprobs = None if delta.logprobs is None else chat_logprobs(choice, delta.logprobs)
     content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
     entry = {"index": choice.index, "delta": content, "logprobs": logprobs,
-             "finish_reason": delta.finish_reason}  # fmt: skip
+             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
     return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
 
 
 def chat_role_chunk(meta: dict, choice: ChoiceStream) -> dict:
     """The first chunk of each chat choice: the role, no content yet (as OpenAI streams it)."""
     entry = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-             "logprobs": None, "finish_reason": None}  # fmt: skip
+             "logprobs": None, "finish_reason": None, "stop_reason": None}  # fmt: skip
     return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
 
 

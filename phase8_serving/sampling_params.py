@@ -13,7 +13,8 @@ Invariant: a bool is not a token count, 2.5 is not one either, NaN is not a temp
 fits in 64 bits, and `check_token_ids` holds the ids a request names to the model's vocabulary.
 
 Fields (vLLM's names and meanings): temperature, top_k, top_p and min_p (sampling.py applies
-them), max_tokens, seed, ignore_eos, stop_token_ids and stop strings, skip_special_tokens,
+them), max_tokens, seed, ignore_eos, stop_token_ids and stop strings (include_stop_str_in_output),
+skip_special_tokens,
 presence/frequency/repetition penalties, logprobs (logprobs.py), min_tokens and logit_bias.
 """
 
@@ -60,6 +61,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks want fixed lengths)
     stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request, like EOS
     stop: tuple[str, ...] = ()  # strings that end the request; the text is cut before them
+    include_stop_str_in_output: bool = False  # cut after the stop string instead: keep it
     skip_special_tokens: bool = True  # leave <|im_end|> and friends out of the text
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -112,6 +114,11 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams.stop must hold strings, got {stop!r}")
             if not stop:
                 raise ValueError("SamplingParams.stop must not hold an empty string")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise TypeError(
+                "SamplingParams.include_stop_str_in_output must be a bool, "
+                f"got {self.include_stop_str_in_output!r}"
+            )
         if not isinstance(self.skip_special_tokens, bool):
             raise TypeError(
                 "SamplingParams.skip_special_tokens must be a bool, "

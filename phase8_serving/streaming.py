@@ -3,7 +3,8 @@
 Problem: a request's text grows every step, and a client streaming it must never see text that
 is later taken back: when a stop string is found, the text is cut before it, so characters that
 might be the start of a stop string ("Obs" while the stop string is "Observation:") cannot be
-shown yet. A character split across tokens is already held back by the incremental detokenizer.
+shown yet (unless the request keeps its stop string, vLLM's `include_stop_str_in_output`). A
+character split across tokens is already held back by the incremental detokenizer.
 Idea: `held_back_length`, the longest tail of the text so far that some stop string begins with.
 While the request runs, that tail waits; once the tail stops matching, or the request finishes,
 it goes out. It is the one hold-back rule of this phase: the output processor applies it
@@ -28,6 +29,8 @@ class OutputDelta(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # one per new token id, if the request asked
     finish_reason: str | None  # set on the last delta only
+    # vLLM's: the stop string, or the stop_token_ids entry, that ended the request (not EOS)
+    stop_reason: int | str | None = None
 
 
 # exercise 8.1: the tail a stream holds back

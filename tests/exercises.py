@@ -233,15 +233,18 @@ EXERCISES: dict[str, Exercise] = {
         "Detokenize the new ids (all but the last when the core says 'stop': a stop token has "
         "no text; flush the detokenizer when the request ended otherwise), add it to the "
         "unsent text, search the stop strings in it (matches ending in what is new), once it has "
-        "more than min_tokens tokens, and cut before a match (it then ends 'stop'); "
-        "while it runs, hold back the longest tail that starts a stop string (the new unsent "
-        "text; held_back_length, exercise 8.1); return the rest as an OutputDelta with the "
-        "ids, the logprobs and the finish reason.",
+        "more than min_tokens tokens, and cut before a match (after it with include_stop_str; "
+        "it then ends 'stop', the match its stop_reason, as a stop token in stop_token_ids is "
+        "its own); while it runs, hold back the longest tail that starts a stop string (the new "
+        "unsent text; held_back_length, exercise 8.1); return the rest as an OutputDelta with "
+        "the ids, the logprobs, the finish and stop reasons.",
         (
             "tests/phase8/test_output_processor.py::test_text_equals_the_offline_engine",
             "tests/phase8/test_output_processor.py::test_streamed_text_is_never_taken_back",
             "tests/phase8/test_output_processor.py::test_a_stop_token_has_no_text",
             "tests/phase8/test_output_processor.py::test_a_stop_string_counts_only_after_min_tokens",
+            "tests/phase8/test_output_processor.py::"
+            "test_stop_reason_names_the_stop_and_a_kept_stop_string_stays",
         ),
         needs=("8.1",),  # the hold-back is held_back_length's
     ),

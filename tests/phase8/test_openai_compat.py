@@ -5,7 +5,8 @@
 - a stream's `text_offset` equals the whole response's while a stop string holds text back;
 - `GET /v1/models/{id}` (with vLLM's `root` and `parent`), and vLLM's `/tokenize`,
   `/detokenize`, `/version`, `prompt_logprobs: null`, `continuous_usage_stats` and signed seeds;
-- `logit_bias`, `min_tokens` (vLLM's rules for EOS, stop tokens and stop strings), `top_k` -1/0;
+- `logit_bias`, `min_tokens` (vLLM's rules for EOS, stop tokens and stop strings), `top_k` -1/0,
+  `stop_reason` and `include_stop_str_in_output`;
 - every field the server does not implement is a 400 naming it, never silently ignored (a 400
   names every invalid field); the do-nothing values of those fields are accepted, and so is a
   reply appended to the history as the SDK dumps it;
@@ -275,6 +276,40 @@ def test_min_tokens_holds_off_stop_tokens_and_stop_strings(http, token_id):
     late = complete(http, logit_bias=bias, stop="Z", min_tokens=3)
     assert late["choices"][0]["text"] == "ZZZ"
     assert late["usage"]["completion_tokens"] == 4 and late["choices"][0]["finish_reason"] == "stop"
+
+
+def stream_chunks(http: httpx.Client, endpoint: str, body: dict) -> list[dict]:
+    response = post(http, endpoint, {**body, "stream": True})
+    return [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+            if line.startswith("data: {")]  # fmt: skip
+
+
+def test_stop_reason_names_what_ended_a_choice(http, token_id, eos_id):
+    """vLLM's `stop_reason`: the stop string or the `stop_token_ids` entry that ended a choice,
+    null for EOS and for a length, in whole responses and in a stream's finishing chunk;
+    `include_stop_str_in_output` keeps the stop string in the text."""
+    z = token_id("Z")
+    force_z = {str(z): FORCE}
+    by_token = complete(http, logit_bias=force_z, stop_token_ids=[z])["choices"][0]
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", z)
+    by_eos = complete(http, logit_bias={str(eos_id): FORCE}, ignore_eos=False)["choices"][0]
+    assert (by_eos["finish_reason"], by_eos["stop_reason"]) == ("stop", None)
+    assert complete(http)["choices"][0]["stop_reason"] is None  # a length
+    for keep, text in ((False, ""), (True, "ZZ")):
+        body = {"logit_bias": force_z, "stop": ["ZZ"], "include_stop_str_in_output": keep}
+        whole = complete(http, **body)["choices"][0]
+        assert (whole["text"], whole["finish_reason"], whole["stop_reason"]) == (text, "stop", "ZZ")
+        in_chat = chat(http, **body)["choices"][0]
+        assert (in_chat["message"]["content"], in_chat["stop_reason"]) == (text, "ZZ")
+        for endpoint in ("completions", "chat"):
+            choices = [c["choices"][0] for c in stream_chunks(http, endpoint, body)]
+            assert [c["stop_reason"] for c in choices if c["finish_reason"]] == ["ZZ"]
+            assert all(c["stop_reason"] is None for c in choices if not c["finish_reason"])
+            texts = [c["text"] if endpoint == "completions" else c["delta"].get("content", "")
+                     for c in choices]  # fmt: skip
+            assert "".join(texts) == text
+    assert_openai_error(post(http, "completions", {"include_stop_str_in_output": 1}), 400,
+                        "include_stop_str_in_output")  # fmt: skip
 
 
 @pytest.mark.parametrize("off", [-1, 0])

@@ -28,7 +28,6 @@ from phase8_serving.output_processor import (
     RequestOutputCollector,
     RequestState,
     StreamDetokenizer,
-    make_detokenizer,
 )
 from phase8_serving.sampling_params import SamplingParams
 from phase8_serving.streaming import OutputDelta
@@ -72,9 +71,7 @@ def process_all(llm, prompt, params, outputs) -> tuple[list[OutputDelta], list[s
     processor = OutputProcessor(llm.get_tokenizer(), metrics)
     collector = RequestOutputCollector()
     request_id = outputs[0].request_id
-    detokenizer = make_detokenizer(llm.get_tokenizer(), prompt, params.skip_special_tokens)
-    processor.add(RequestState(request_id, 0, collector, detokenizer, params.stop, 0,
-                               len(prompt), params.max_tokens, params.min_tokens))  # fmt: skip
+    processor.add(RequestState.start(request_id, 0, collector, llm.get_tokenizer(), prompt, params))
     deltas, aborts = [], []
     outputs[0].arrival_time = outputs[0].scheduled_time = 0.0  # the core's, on a first output
     for i, output in enumerate(outputs):
@@ -199,6 +196,48 @@ def test_a_stop_string_counts_only_after_min_tokens(llm):
     assert [d.text for d in deltas] == [""] and deltas[-1].finish_reason == "stop"
 
 
+def test_stop_reason_names_the_stop_and_a_kept_stop_string_stays(llm):
+    """vLLM's `stop_reason`: the stop string found, or the `stop_token_ids` entry the core
+    stopped on; EOS is none (even when stop_token_ids names it, unless ignore_eos), a length is
+    none. `include_stop_str_in_output` cuts after the stop string instead of before it, and a
+    stop string split over steps is still held back until it is whole, never shown early."""
+    tokenizer = llm.get_tokenizer()
+    a, x, y, b = (tokenizer.encode(c)[0] for c in "aXYb")
+    split = [EngineCoreOutput("r", [t]) for t in (a, x, y, b)]
+    for keep, text in ((False, "a"), (True, "aXY")):
+        params = SamplingParams(max_tokens=9, stop=["XY"], include_stop_str_in_output=keep)
+        deltas, aborts = process_all(llm, PROMPT, params, split)
+        assert [d.text for d in deltas] == ["a", "", text[1:]]  # "X" waits for "Y"
+        assert (deltas[-1].finish_reason, deltas[-1].stop_reason, aborts) == ("stop", "XY", ["r"])
+        assert all(d.stop_reason is None for d in deltas[:-1])
+    eos = next(iter(tokenizer.eos_token_ids))
+    for token, params, reason in (
+        (b, SamplingParams(max_tokens=9, stop_token_ids=[b]), b),
+        (eos, SamplingParams(max_tokens=9), None),
+        (eos, SamplingParams(max_tokens=9, stop_token_ids=[eos]), None),
+        (eos, SamplingParams(max_tokens=9, stop_token_ids=[eos], ignore_eos=True), eos),
+    ):
+        outputs = [EngineCoreOutput("r", [a]), EngineCoreOutput("r", [token], None, "stop")]
+        deltas, _ = process_all(llm, PROMPT, params, outputs)
+        assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", reason), params
+    outputs = [EngineCoreOutput("r", [a]), EngineCoreOutput("r", [b], None, "length")]
+    deltas, _ = process_all(llm, PROMPT, SamplingParams(max_tokens=2, stop_token_ids=[b]), outputs)
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("length", None)
+
+
+def test_the_offline_llm_reports_the_stop_reason(llm, phase7_llm):
+    """`CompletionOutput.stop_reason`, and the stop string kept in the text when asked."""
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=30)
+    free = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert free.stop_reason is None
+    (stop,) = stop_found_in(free.text)
+    for keep in (False, True):
+        sp = dataclasses.replace(params, stop=(stop,), include_stop_str_in_output=keep)
+        out = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0]
+        end = free.text.index(stop) + (len(stop) if keep else 0)
+        assert (out.text, out.finish_reason, out.stop_reason) == (free.text[:end], "stop", stop)
+
+
 def split_prompts(tokenizer) -> list[tuple[list[int], list[int]]]:
     """(prompt, the ids that finish its last character): PROMPT, and prompts that end inside a
     character (byte tokens: a prompt of token ids can end anywhere)."""
@@ -231,9 +270,9 @@ def test_collector_merges_what_the_reader_has_not_taken():
         collector = RequestOutputCollector()
         collector.put(0, OutputDelta("a", [1], None, None))
         collector.put(1, OutputDelta("x", [9], None, None))
-        collector.put(0, OutputDelta("b", [2], None, "length"))  # the reader lagged: merged
+        collector.put(0, OutputDelta("b", [2], None, "stop", "b"))  # the reader lagged: merged
         first = await collector.get()
-        assert first == {0: OutputDelta("ab", [1, 2], None, "length"),
+        assert first == {0: OutputDelta("ab", [1, 2], None, "stop", "b"),
                          1: OutputDelta("x", [9], None, None)}  # fmt: skip
         assert not collector.ready.is_set()
         collector.fail(RuntimeError("core died"))
@@ -298,9 +337,8 @@ def test_a_request_whose_text_fails_fails_alone_and_is_aborted(llm):
     collectors = {}
     for request_id, kind in (("bad", Broken), ("good", RequestState)):
         collectors[request_id] = RequestOutputCollector()
-        detokenizer = make_detokenizer(llm.get_tokenizer(), prompt, True)
-        processor.add(kind(request_id, 0, collectors[request_id], detokenizer, (), 0, len(prompt),
-                           params.max_tokens, 0))  # fmt: skip
+        processor.add(kind.start(request_id, 0, collectors[request_id], llm.get_tokenizer(),
+                                 prompt, params))  # fmt: skip
     outputs = [EngineCoreOutput(r, [42], None, None) for r in ("bad", "good")]
     for output in outputs:
         output.arrival_time = output.scheduled_time = 0.0

@@ -34,7 +34,6 @@ from phase8_serving.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
     RequestState,
-    make_detokenizer,
     pending_delta,
 )
 
@@ -226,10 +225,8 @@ class CoreInProcess:
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         collector = self.collectors[request_id] = RequestOutputCollector()
-        detokenizer = make_detokenizer(self.tokenizer, prompt, params.skip_special_tokens)
-        state = RequestState(request_id, 0, collector, detokenizer, params.stop, 0, len(prompt),
-                             params.max_tokens, params.min_tokens)  # fmt: skip
-        self.processor.add(state)
+        self.processor.add(RequestState.start(request_id, 0, collector, self.tokenizer, prompt,
+                                              params))  # fmt: skip
         self.send(AddRequests([EngineCoreRequest(request_id, prompt, params)]))
 
     def abort(self, request_ids: list[str]) -> None:
