@@ -13,8 +13,9 @@ stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, cha
 
 Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
 `extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
-`suffix`, `echo`, `best_of` > n, a `response_format` other than text) are accepted only with their
-do-nothing values (`tool_choice: "none"`, `best_of: n`, ...), else a 400 saying so.
+`suffix`, `echo` with logprobs, `best_of` > n, a `response_format` other than text) are accepted
+only with their do-nothing values (`tool_choice: "none"`, `best_of: n`, ...), else a 400 saying
+so.
 """
 
 import abc
@@ -230,15 +231,22 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=1)  # the OpenAI API's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False  # only off
+    echo: bool = False  # each choice's text begins with its prompt's
     suffix: str | None = None  # only empty
     best_of: int | None = Field(None, ge=1)  # only n
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _off(cls, value):
         if value:
             raise unsupported()
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value: bool, info) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise unsupported("echo with logprobs: the prompt's logprobs are not computed")
         return value
 
     @field_validator("best_of")

@@ -56,6 +56,7 @@ from .responses import (
     usage,
     usage_chunk,
 )
+from .streaming import OutputDelta
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -128,9 +129,12 @@ class OpenAIServing:
                         sum(map(len, prompts)), num_choices, bool(body.stream))  # fmt: skip
         choices = [ChoiceStream(i, self.tokenizer) for i in range(num_choices)]
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
+        echoed = await self._echoed(body, prompts) if not chat and body.echo else None
         if body.stream:
-            events = self._events(stream, choices, meta, body, prompts, chat)
+            events = self._events(stream, choices, meta, body, prompts, chat, echoed)
             return EngineStreamingResponse(events, stream, request_id)
+        for choice in choices if echoed else ():
+            choice.text = echoed[choice.index // body.n]
         try:
             client_left = await _unless_disconnected(request, _collect(stream, choices))
         except (EngineStepError, EngineDeadError) as e:
@@ -157,6 +161,14 @@ class OpenAIServing:
         if not all(prompts):
             raise InvalidRequest("the prompt must contain at least one token", "prompt")
         return prompts
+
+    async def _echoed(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """`echo`: each prompt's text, as sent, or decoded from its token ids (in the pool)."""
+        if not body.has_token_ids:
+            return body.prompts()
+        return await self.llm.run_in_tokenizer_pool(
+            lambda: [self.tokenizer.decode(p) for p in prompts]
+        )
 
     def _render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
         messages = [m.for_template() for m in body.messages]
@@ -221,9 +233,10 @@ class OpenAIServing:
 
     async def _events(
         self, stream: RequestStream, choices: list[ChoiceStream], meta: dict,
-        body: SamplingRequest, prompts, chat: bool,
+        body: SamplingRequest, prompts, chat: bool, echoed: list[str] | None,
     ) -> AsyncIterator[bytes]:  # fmt: skip
-        """The SSE body: one write per engine step with every choice's news of that step."""
+        """The SSE body: one write per engine step with every choice's news of that step;
+        first, a chat's role or an echoed prompt, one chunk per choice."""
         chunk = chat_chunk if chat else completion_chunk
         extra = {"usage": None} if body.include_usage else {}  # OpenAI's shape with usage on
 
@@ -238,6 +251,13 @@ class OpenAIServing:
                 yield b"".join(
                     _sse({**chat_role_chunk(meta, c), **usage_so_far(c)}) for c in choices
                 )
+            elif echoed:  # so does an echoed prompt, as one chunk of text per choice
+                events = []
+                for choice in choices:
+                    delta = OutputDelta(echoed[choice.index // body.n], [], None, None)
+                    if choice.add(delta):
+                        events.append(_sse({**chunk(meta, choice, delta), **usage_so_far(choice)}))
+                yield b"".join(events)
             async for deltas in stream:
                 events = []
                 for index, delta in deltas.items():

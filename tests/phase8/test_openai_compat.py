@@ -6,7 +6,7 @@
 - `GET /v1/models/{id}` (with vLLM's `root` and `parent`), and vLLM's `/tokenize`,
   `/detokenize`, `/version`, `prompt_logprobs: null`, `continuous_usage_stats` and signed seeds;
 - `logit_bias`, `min_tokens` (vLLM's rules for EOS, stop tokens and stop strings), `top_k` -1/0,
-  `stop_reason` and `include_stop_str_in_output`;
+  `stop_reason`, `include_stop_str_in_output` and `echo`;
 - every field the server does not implement is a 400 naming it, never silently ignored (a 400
   names every invalid field); the do-nothing values of those fields are accepted, and so is a
   reply appended to the history as the SDK dumps it;
@@ -312,6 +312,30 @@ def test_stop_reason_names_what_ended_a_choice(http, token_id, eos_id):
                         "include_stop_str_in_output")  # fmt: skip
 
 
+def test_echo_begins_each_choice_with_its_prompt(http, live_server):
+    """`echo`: each choice's text is its prompt's, then the completion (a prompt of token ids
+    decoded); streamed, the prompt comes first, one chunk per choice; usage is unchanged."""
+    ids = live_server.llm.tokenizer.encode("Token ids.")
+    by_ids = complete(http, prompt=ids, echo=True)["choices"][0]["text"]
+    assert by_ids == "Token ids." + complete(http, prompt=ids)["choices"][0]["text"]
+    prompts = ["Echo me:", "and me."]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 4}
+    plain = complete(http, **body)
+    echoed = complete(http, **body, echo=True)
+    assert [c["text"] for c in echoed["choices"]] == [
+        prompts[c["index"] // 2] + c["text"] for c in plain["choices"]
+    ]
+    assert echoed["usage"] == plain["usage"]
+    chunks = stream_chunks(http, "completions", {**body, **GREEDY, "ignore_eos": True,
+                                                 "echo": True})  # fmt: skip
+    texts = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        texts.setdefault(choice["index"], []).append(choice["text"])
+    assert {i: t[0] for i, t in texts.items()} == {i: prompts[i // 2] for i in range(4)}
+    assert ["".join(texts[i]) for i in range(4)] == [c["text"] for c in echoed["choices"]]
+
+
 @pytest.mark.parametrize("off", [-1, 0])
 def test_top_k_minus_one_and_zero_mean_off(http, off):
     seeded = {"temperature": 1.0, "seed": 7}
@@ -334,7 +358,7 @@ BAD = {  # endpoint, extra body, the param the error names
                                                         "json_schema": {"name": "x"}}},
                     "response_format"),
     "suffix": ("completions", {"suffix": "end"}, "suffix"),
-    "echo": ("completions", {"echo": True}, "echo"),
+    "echo with logprobs": ("completions", {"echo": True, "logprobs": 1}, "echo"),
     "best_of > n": ("completions", {"best_of": 3}, "best_of"),
     "best_of < n": ("completions", {"best_of": 1, "n": 2}, "best_of"),
     "an unknown field": ("completions", {"guided_json": {}}, "guided_json"),
