@@ -11,7 +11,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1
 POST /tokenize and POST /detokenize (vLLM's: a prompt's or a chat's token ids, and back),
 GET /version, GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from
 protocol.py's models), GET /dashboard (dashboard.py: the engine, live in a browser; off with
-`enable_dashboard=False`).
+`enable_dashboard=False`), and SageMaker's GET or POST /ping (/health) and POST /invocations (a
+chat or completions body, told apart by `messages`).
 
 Nothing one client sends stalls the others: a body over `max_request_body_bytes` is a 413 before
 it is read whole (plain ASGI middleware, as is the API key's: neither puts a task between a
@@ -32,6 +33,7 @@ import secrets
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncLLM, EngineDeadError
@@ -49,7 +51,7 @@ from .responses import model_card
 from .serving_engine import FastJSONResponse, OpenAIServing, error_response
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/version")  # reachable without the API key
+OPEN_PATHS = ("/health", "/ping", "/version")  # reachable without the API key
 try:
     VERSION = importlib.metadata.version("mini-vllm")
 except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
@@ -115,6 +117,21 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if llm.is_alive else 503)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's /health
+
+    @app.post("/invocations")  # SageMaker's one route: a chat body or a completions body
+    async def invocations(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InvalidRequest("the body is not valid JSON") from None
+        chat = isinstance(body, dict) and "messages" in body
+        try:
+            parsed = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+        except ValidationError as e:  # answered as a route's invalid body is
+            raise RequestValidationError(e.errors()) from None
+        return await server.serve(parsed, request)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -191,7 +208,8 @@ def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
             loc = [str(part) for part in error.get("loc", ()) if part != "body"]
             if error["type"] == "json_invalid":  # its loc is a character offset, not a field
                 loc = []
-            messages.append(f"{'.'.join(loc)}: {error['msg']}" if loc else error["msg"])
+            msg = f"{error['msg']} [type={error['type']}]"  # pydantic's words, as vLLM sends them
+            messages.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
             params.append(loc[0] if loc else None)
         return error_response(400, "; ".join(messages), param=params[0])  # the first's field
 

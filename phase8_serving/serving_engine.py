@@ -138,7 +138,7 @@ class OpenAIServing:
         try:
             client_left = await _unless_disconnected(request, _collect(stream, choices))
         except (EngineStepError, EngineDeadError) as e:
-            return error_response(500, str(e))
+            return error_response(500, f"Internal server error: {e}")
         finally:
             stream.close()
         if client_left:
@@ -268,8 +268,8 @@ class OpenAIServing:
                     yield b"".join(events)
             if body.include_usage:
                 tail.append(_sse(usage_chunk(meta, usage(prompts, choices), chat)))
-        except (EngineStepError, EngineDeadError) as e:
-            tail.append(_sse(error_body(str(e), "server_error", None, None)))
+        except (EngineStepError, EngineDeadError) as e:  # vLLM's words, then what happened
+            tail.append(_sse(error_body(f"Internal server error: {e}", "server_error", None, None)))
         finally:
             stream.close()
         yield b"".join(tail) + DONE

@@ -4,7 +4,8 @@
   top_logprobs, the sampled one among them);
 - a stream's `text_offset` equals the whole response's while a stop string holds text back;
 - `GET /v1/models/{id}` (with vLLM's `root` and `parent`), and vLLM's `/tokenize`,
-  `/detokenize`, `/version`, `prompt_logprobs: null`, `continuous_usage_stats` and signed seeds;
+  `/detokenize`, `/version`, SageMaker's `/invocations` and `/ping`, `prompt_logprobs: null`,
+  `continuous_usage_stats` and signed seeds;
 - `logit_bias`, `min_tokens` (vLLM's rules for EOS, stop tokens and stop strings), `top_k` -1/0,
   `stop_reason`, `include_stop_str_in_output` and `echo`;
 - every field the server does not implement is a 400 naming it, never silently ignored (a 400
@@ -189,8 +190,9 @@ def test_any_signed_64_bit_seed_is_taken(http):
         body = {"temperature": 1.0, "seed": seed, "n": 2}
         texts = [c["text"] for c in complete(http, **body)["choices"]]
         assert texts == [c["text"] for c in complete(http, **body)["choices"]]
-    for seed in (-(2**63) - 1, 2**63):
-        assert_openai_error(post(http, "completions", {"seed": seed}), 400, "seed")
+    for seed, kind in ((-(2**63) - 1, "greater_than_equal"), (2**63, "less_than_equal")):
+        error = assert_openai_error(post(http, "completions", {"seed": seed}), 400, "seed")
+        assert f"[type={kind}]" in error["message"]  # pydantic's error type, as vLLM says it
 
 
 # -- tokenize, detokenize, version (vLLM's) -------------------------------------------------
@@ -217,6 +219,26 @@ def test_prompt_logprobs_is_vllms_null(http):
     assert complete(http)["choices"][0]["prompt_logprobs"] is None
     assert chat(http)["prompt_logprobs"] is None
     assert_openai_error(post(http, "completions", {"prompt_logprobs": 1}), 400, "prompt_logprobs")
+
+
+def test_invocations_serves_a_chat_or_a_completions_body(http):
+    """SageMaker's POST /invocations: a body with `messages` is a chat, any other a completion,
+    answered as its route answers it, 400s included; GET or POST /ping is /health."""
+    for route, body in (("/v1/chat/completions", {"messages": MESSAGES}),
+                        ("/v1/completions", {"prompt": "Compat:"})):  # fmt: skip
+        body = {**body, "max_tokens": 6, "ignore_eos": True, **GREEDY}
+        direct, via = http.post(route, json=body).json(), http.post("/invocations", json=body)
+        assert via.status_code == 200, via.text
+        via = via.json()
+        assert (via["object"], via["choices"]) == (direct["object"], direct["choices"])
+    streamed = http.post("/invocations", json={"messages": MESSAGES, "stream": True}).text
+    assert streamed.rstrip().endswith("data: [DONE]") and "chat.completion.chunk" in streamed
+    for bad, param in (({"messages": MESSAGES, "n": 0}, "n"), ({"max_tokens": 3}, "prompt"),
+                       ([1], None)):  # fmt: skip
+        assert_openai_error(http.post("/invocations", json=bad), 400, param)
+    assert_openai_error(http.post("/invocations", content=b"{not json"), 400, None)
+    assert http.get("/ping").status_code == http.post("/ping").status_code == 200
+    assert_still_serving(http)
 
 
 @pytest.mark.parametrize(

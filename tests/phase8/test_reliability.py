@@ -123,7 +123,8 @@ def test_api_key(live_server):
     assert_openai_error(httpx.post(url + "/v1/completions", json=body, headers=wrong), 401, None)
     assert httpx.get(url + "/health").status_code == 200  # open without the key
     assert httpx.get(url + "/version").status_code == 200
-    for route in ("/tokenize", "/detokenize"):  # they run the tokenizer: the key's to spend
+    assert httpx.get(url + "/ping").status_code == httpx.post(url + "/ping").status_code == 200
+    for route in ("/tokenize", "/detokenize", "/invocations"):  # they spend the server's work
         assert_openai_error(httpx.post(url + route, json={"tokens": [1]}), 401, None)
     client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
     assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
@@ -205,7 +206,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(live_server):
         body = {"prompt": [*FAULT_MARK, *b"boom"], "max_tokens": 4}
         response = http.post("/v1/completions", json=body)
         assert_openai_error(response, 500, None)  # a server fault, not the client's
-        assert "injected fault" in response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        assert message.startswith("Internal server error") and "injected fault" in message
+        streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+        *_, error, done = [line for line in streamed.splitlines() if line]
+        assert done == "data: [DONE]"  # the error event, then the end: never a hang
+        message = json.loads(error.removeprefix("data: "))["error"]["message"]
+        assert message.startswith("Internal server error") and "injected fault" in message
         assert_still_serving(http)
     live_server.wait_until_idle(timeout=1.0)
 
