@@ -9,7 +9,8 @@ NaN is not a temperature). FastAPI derives `/openapi.json` from them, so the sch
 fuzzers see is exactly what is enforced. `sampling_params` turns a valid body into the engine's
 `SamplingParams`; what needs the tokenized prompt (the context length) is checked there.
 vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty, ignore_eos,
-stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs.
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs,
+return_token_ids, return_tokens_as_token_ids.
 
 Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
 `extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
@@ -118,6 +119,8 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[TokenIdKey, Bias] | None = None
     response_format: ResponseFormat | None = None  # only {"type": "text"}
     skip_special_tokens: bool = True
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:ID"
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as by vLLM

@@ -27,11 +27,22 @@ from .tokenizer import Tokenizer
 
 
 class ChoiceStream:
-    """One choice (one engine request) of a response, and everything it has produced so far."""
+    """One choice (one engine request) of a response, and everything it has produced so far.
 
-    def __init__(self, index: int, tokenizer: Tokenizer):
+    vLLM's `return_token_ids`: `prompt_token_ids` holds the prompt's ids, and the response (or the
+    choice's first chunk) carries them, and every chunk its new ids; `return_tokens_as_token_ids`
+    (`ids_as_tokens`) names logprobs' tokens "token_id:ID", for tokens whose text is not theirs
+    alone (a byte of a split character)."""
+
+    def __init__(
+        self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
+        ids_as_tokens: bool = False,
+    ):  # fmt: skip
         self.index = index
         self.tokenizer = tokenizer
+        self.prompt_token_ids = prompt_token_ids
+        self.ids_as_tokens = ids_as_tokens
+        self.num_chunks = 0
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = None
@@ -51,10 +62,32 @@ class ChoiceStream:
                 self.text_offsets.append(self.num_token_chars)
                 self.num_token_chars += len(self.token_text(lp.token_id))
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        return bool(delta.text or delta.logprobs or delta.finish_reason)
+        news = delta.text or delta.logprobs or delta.finish_reason
+        return bool(news or (self.prompt_token_ids is not None and delta.token_ids))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def token_name(self, token_id: int) -> str:
+        """How logprobs name a token: its text, or "token_id:ID"."""
+        return f"token_id:{token_id}" if self.ids_as_tokens else self.token_text(token_id)
+
+    def token_ids_fields(self, ids: list[int]) -> dict:
+        """A chunk's `token_ids` (its new ids) and, in the choice's first, `prompt_token_ids`;
+        nothing unless the request asked for them."""
+        self.num_chunks += 1
+        if self.prompt_token_ids is None:
+            return {}
+        first = {"prompt_token_ids": self.prompt_token_ids} if self.num_chunks == 1 else {}
+        return {**first, "token_ids": ids}
+
+
+def token_ids_of(choice: ChoiceStream) -> dict:
+    """A whole response's `token_ids` and `prompt_token_ids`: null unless asked (vLLM's keys
+    are always there)."""
+    asked = choice.prompt_token_ids is not None
+    return {"token_ids": choice.token_ids if asked else None,
+            "prompt_token_ids": choice.prompt_token_ids}  # fmt: skip
 
 
 def usage(prompts: Sequence[Sequence[int]], choices: Sequence[ChoiceStream]) -> dict:
@@ -88,9 +121,9 @@ def completion_logprobs(
     """The legacy completions shape: parallel lists, one entry per token (None: not asked)."""
     if logprobs is None:
         return None
-    top = [{choice.token_text(t): v for t, v in with_sampled(lp)} for lp in logprobs]
+    top = [{choice.token_name(t): v for t, v in with_sampled(lp)} for lp in logprobs]
     return {
-        "tokens": [choice.token_text(lp.token_id) for lp in logprobs],
+        "tokens": [choice.token_name(lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": top,
         "text_offset": offsets,
@@ -99,7 +132,7 @@ def completion_logprobs(
 
 def chat_logprobs(choice: ChoiceStream, logprobs: list[TokenLogprobs]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        token = choice.token_text(token_id)
+        token = choice.token_name(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     return {
@@ -125,6 +158,7 @@ def completion_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dic
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "prompt_logprobs": None,  # vLLM's field; asking for them is a 400 (protocol.py)
+                **token_ids_of(c),
             }
             for c in choices
         ],
@@ -143,11 +177,13 @@ def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> 
                 "logprobs": None if c.logprobs is None else chat_logprobs(c, c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                "token_ids": token_ids_of(c)["token_ids"],
             }
             for c in choices
         ],
         "usage": usage_,
         "prompt_logprobs": None,
+        "prompt_token_ids": token_ids_of(choices[0])["prompt_token_ids"],  # one prompt
     }
 
 
@@ -156,7 +192,8 @@ def completion_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> di
     offsets = choice.text_offsets[len(choice.text_offsets) - num_new :]
     logprobs = completion_logprobs(choice, delta.logprobs, offsets)
     entry = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
-             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
+             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+             **choice.token_ids_fields(delta.token_ids)}  # fmt: skip
     return {**meta, "object": "text_completion", "choices": [entry]}
 
 
@@ -164,15 +201,20 @@ def chat_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
     logprobs = None if delta.logprobs is None else chat_logprobs(choice, delta.logprobs)
     content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
     entry = {"index": choice.index, "delta": content, "logprobs": logprobs,
-             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
+             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+             **choice.token_ids_fields(delta.token_ids)}  # fmt: skip
     return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
 
 
 def chat_role_chunk(meta: dict, choice: ChoiceStream) -> dict:
-    """The first chunk of each chat choice: the role, no content yet (as OpenAI streams it)."""
+    """The first chunk of each chat choice: the role, no content yet (as OpenAI streams it),
+    and the prompt's token ids if asked (vLLM puts a chat's at the top level)."""
+    fields = choice.token_ids_fields([])  # a chat choice's first chunk, always
+    prompt_ids = fields.pop("prompt_token_ids", None)
     entry = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-             "logprobs": None, "finish_reason": None, "stop_reason": None}  # fmt: skip
-    return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
+             "logprobs": None, "finish_reason": None, "stop_reason": None, **fields}  # fmt: skip
+    top = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}
+    return {**meta, "object": "chat.completion.chunk", "choices": [entry], **top}
 
 
 def model_card(name: str, max_model_len: int, root: str | None = None) -> dict:

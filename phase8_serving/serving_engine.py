@@ -127,7 +127,11 @@ class OpenAIServing:
         if self.config.enable_log_requests:
             logger.info("%s: %d prompt tokens, %d choices, stream=%s", request_id,
                         sum(map(len, prompts)), num_choices, bool(body.stream))  # fmt: skip
-        choices = [ChoiceStream(i, self.tokenizer) for i in range(num_choices)]
+        choices = [
+            ChoiceStream(i, self.tokenizer, prompts[i // body.n] if body.return_token_ids else None,
+                         bool(body.return_tokens_as_token_ids))
+            for i in range(num_choices)
+        ]  # fmt: skip
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
         echoed = await self._echoed(body, prompts) if not chat and body.echo else None
         if body.stream:

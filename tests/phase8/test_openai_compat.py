@@ -7,7 +7,8 @@
   `/detokenize`, `/version`, SageMaker's `/invocations` and `/ping`, `prompt_logprobs: null`,
   `continuous_usage_stats` and signed seeds;
 - `logit_bias`, `min_tokens` (vLLM's rules for EOS, stop tokens and stop strings), `top_k` -1/0,
-  `stop_reason`, `include_stop_str_in_output` and `echo`;
+  `stop_reason`, `include_stop_str_in_output`, `echo`, `return_token_ids` and
+  `return_tokens_as_token_ids`;
 - every field the server does not implement is a 400 naming it, never silently ignored (a 400
   names every invalid field); the do-nothing values of those fields are accepted, and so is a
   reply appended to the history as the SDK dumps it;
@@ -356,6 +357,60 @@ def test_echo_begins_each_choice_with_its_prompt(http, live_server):
         texts.setdefault(choice["index"], []).append(choice["text"])
     assert {i: t[0] for i, t in texts.items()} == {i: prompts[i // 2] for i in range(4)}
     assert ["".join(texts[i]) for i in range(4)] == [c["text"] for c in echoed["choices"]]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids(http, token_id, endpoint):
+    """vLLM's `return_token_ids`: the prompt's ids (a completion's per choice, a chat's at the
+    top level) and each choice's ids; streamed, the prompt's come in a choice's first chunk (a
+    chat's role chunk) and each chunk brings its new ids, adding up to the whole's. Not asked,
+    the whole response has the keys, null, and chunks do not."""
+    chat_ = endpoint == "chat"
+    prompt = {"messages": MESSAGES} if chat_ else {"prompt": "Compat:"}
+    asked = {**prompt, "n": 2, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True,
+             **GREEDY}  # fmt: skip
+    prompt_ids = http.post("/tokenize", json=prompt).json()["tokens"]
+    whole = post(http, endpoint, asked).json()
+    body = whole if chat_ else whole["choices"][0]
+    assert body["prompt_token_ids"] == prompt_ids
+    ids = [c["token_ids"] for c in whole["choices"]]
+    assert [len(i) for i in ids] == [6, 6] and ids[0] == ids[1]  # greedy
+    plain = post(http, endpoint, {**asked, "return_token_ids": False}).json()
+    assert (plain if chat_ else plain["choices"][0])["prompt_token_ids"] is None
+    assert all(c["token_ids"] is None for c in plain["choices"])
+    streamed, firsts = {0: [], 1: []}, {}
+    for chunk in stream_chunks(http, endpoint, asked):
+        (choice,) = chunk["choices"]
+        where = chunk if chat_ else choice
+        if choice["index"] not in firsts:
+            firsts[choice["index"]] = where.get("prompt_token_ids")
+        else:
+            assert "prompt_token_ids" not in where
+        streamed[choice["index"]] += choice["token_ids"]
+    assert firsts == {0: prompt_ids, 1: prompt_ids} and list(streamed.values()) == ids
+    # ids whose text is held back (it may begin the stop string) still come in their step
+    held = {**asked, "logit_bias": {str(token_id("Z")): FORCE}, "stop": ["Z" * 10]}
+    chunks = stream_chunks(http, endpoint, held)
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 12
+    unasked = post(http, endpoint, {**asked, "return_token_ids": None, "stream": True}).text
+    assert "token_ids" not in unasked
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(http):
+    """vLLM's `return_tokens_as_token_ids`: logprobs name tokens "token_id:ID" (a byte of a
+    split character has no text of its own); text offsets still count the text."""
+    body = {"logprobs": 2, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    named = complete(http, **body)["choices"][0]
+    texts = complete(http, logprobs=2)["choices"][0]["logprobs"]
+    lp = named["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in named["token_ids"]]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    assert (lp["token_logprobs"], lp["text_offset"]) == (texts["token_logprobs"],
+                                                         texts["text_offset"])  # fmt: skip
+    in_chat = chat(http, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+    content = in_chat["choices"][0]["logprobs"]["content"]
+    assert all(e["token"].startswith("token_id:") for e in content)
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
 
 
 @pytest.mark.parametrize("off", [-1, 0])
