@@ -118,7 +118,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200 if llm.is_alive else 503)
 
-    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's /health
+    for method in ("GET", "POST"):  # SageMaker's /health; a route a method: one operation id
+        app.add_api_route("/ping", health, methods=[method], name=f"ping_{method.lower()}")
 
     @app.post("/invocations")  # SageMaker's one route: a chat body or a completions body
     async def invocations(request: Request) -> Response:

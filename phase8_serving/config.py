@@ -311,6 +311,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get a 413
     max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST  # prompts x n, at most
     enable_log_requests: bool = False  # a log line per request (uvicorn's access log too)
+    enable_prompt_tokens_details: bool = False  # usage says how many prompt tokens were cached
     enable_dashboard: bool = True  # GET /dashboard
     model_root: str | None = None  # the checkpoint model_name serves (the model card's root)
 

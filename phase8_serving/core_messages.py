@@ -111,6 +111,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None  # why, for "error"
     arrival_time: float | None = None  # the core's clock, on a request's first output only
     scheduled_time: float | None = None  # when a step first ran it, likewise
+    num_cached_tokens: int | None = None  # its prompt's prefix cache hit, likewise
 
 
 class StepOutputs(Message):

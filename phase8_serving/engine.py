@@ -130,6 +130,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (vLLM's)
 
 
 @dataclass(slots=True)
@@ -626,8 +627,9 @@ class LLM:
         logprobs = None if delta.logprobs is None else list(delta.logprobs)
         completion = CompletionOutput(0, delta.text, list(delta.token_ids), delta.finish_reason,
                                       logprobs, delta.stop_reason)  # fmt: skip
+        cached = seq.num_cached_tokens if seq.num_cached_tokens >= 0 else None
         return RequestOutput(seq.request_id, llm_request.prompt, seq.prompt_token_ids,
-                             [completion], delta.finish_reason is not None)  # fmt: skip
+                             [completion], delta.finish_reason is not None, cached)  # fmt: skip
 
 
 def check_batch(

@@ -125,7 +125,8 @@ class EngineCore:
         self.peer: bytes | None = None
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
-        self.timing: dict[str, list[float | None]] = {}  # id -> [arrival, scheduled], until output
+        # id -> [arrival, scheduled, prompt tokens found cached], until its first output
+        self.timing: dict[str, list[float | int | None]] = {}
         self.watched = False  # a front end asked for snapshots (WatchEngine)
         self.snapshot_owed = False  # watched, and the engine changed since the last snapshot
         self.next_snapshot_at = 0.0  # time.monotonic(): no snapshot before it
@@ -204,7 +205,7 @@ class EngineCore:
             except ValueError as e:  # the front end checks first; this is the last line
                 rejected.append(EngineCoreOutput(r.request_id, [], None, "error", str(e)))
                 continue
-            self.timing[r.request_id] = [now, None]
+            self.timing[r.request_id] = [now, None, 0]
         if rejected:
             self._send(StepOutputs(rejected, time.monotonic(), engine_stats(self.engine)))
 
@@ -237,7 +238,7 @@ class EngineCore:
         for seq in self.engine.last_schedule.admitted:
             timing = self.timing.get(seq.request_id)
             if timing is not None and timing[1] is None:
-                timing[1] = step_start
+                timing[1], timing[2] = step_start, max(seq.num_cached_tokens, 0)
 
     def _output(self, result: TokenIdsOutput, step_start: float) -> EngineCoreOutput:
         output = EngineCoreOutput(
@@ -247,6 +248,7 @@ class EngineCore:
         if timing is not None:  # its first output
             output.arrival_time = timing[0]
             output.scheduled_time = timing[1] if timing[1] is not None else step_start
+            output.num_cached_tokens = timing[2]
         return output
 
     def _watch(self, watching: bool) -> None:

@@ -158,6 +158,7 @@ class RequestOutputCollector:
 
     def __init__(self):
         self.pending: dict[int, OutputDelta | PendingOutput] = {}
+        self.num_cached_tokens: dict[int, int] = {}  # by choice: its prompt's prefix cache hit
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
 
@@ -301,6 +302,8 @@ class OutputProcessor:
                 state.collector.fail(EngineStepError(output.error))
                 continue
             first = state.num_output_tokens == 0
+            if first and output.num_cached_tokens is not None:
+                state.collector.num_cached_tokens[state.index] = output.num_cached_tokens
             try:
                 delta = state.update(output)
             except Exception as error:  # a bug in one request's text: fail it, never hang it

@@ -90,13 +90,21 @@ def token_ids_of(choice: ChoiceStream) -> dict:
             "prompt_token_ids": choice.prompt_token_ids}  # fmt: skip
 
 
-def usage(prompts: Sequence[Sequence[int]], choices: Sequence[ChoiceStream]) -> dict:
+def usage(
+    prompts: Sequence[Sequence[int]], choices: Sequence[ChoiceStream],
+    cached_tokens: int | None = None,
+) -> dict:  # fmt: skip
+    """`cached_tokens`: the prompts' tokens found in the prefix cache, reported (OpenAI's
+    `prompt_tokens_details`) when the server was started with --enable-prompt-tokens-details."""
     prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n is
     completion_tokens = sum(len(c.token_ids) for c in choices)
+    details = {} if cached_tokens is None else {
+        "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        **details,
     }
 
 

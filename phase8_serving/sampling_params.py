@@ -14,8 +14,8 @@ fits in 64 bits, and `check_token_ids` holds the ids a request names to the mode
 
 Fields (vLLM's names and meanings): temperature, top_k, top_p and min_p (sampling.py applies
 them), max_tokens, seed, ignore_eos, stop_token_ids and stop strings (include_stop_str_in_output),
-skip_special_tokens,
-presence/frequency/repetition penalties, logprobs (logprobs.py), min_tokens and logit_bias.
+skip_special_tokens, presence/frequency/repetition penalties, logprobs (logprobs.py), min_tokens
+and logit_bias.
 """
 
 import math

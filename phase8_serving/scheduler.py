@@ -212,6 +212,8 @@ class Scheduler:
             ):
                 return  # nobody overtakes it: the first come of the least served requests
             seq.num_computed_tokens = num_computed  # the cached prefix counts as computed
+            if seq.num_cached_tokens < 0:  # what its usage reports, not a readmission's
+                seq.num_cached_tokens = num_computed
             self.block_manager.allocate(seq, cached, num_computed + num_new)
             self.waiting.remove(seq)
             self._start_running(seq)

@@ -61,6 +61,9 @@ def add_serve_parser(subparsers) -> None:
                    help="prompts x n in one request; more is a 400 (default 256)")  # fmt: skip
     p.add_argument("--enable-log-requests", action="store_true",
                    help="a log line per request, and uvicorn's access log")  # fmt: skip
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage reports the prompt tokens found in the prefix cache "
+                        "(prompt_tokens_details.cached_tokens; vLLM's flag)")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access log even with --enable-log-requests (vLLM's flag)")  # fmt: skip
     p.add_argument(
@@ -117,6 +120,7 @@ def serve(args: argparse.Namespace) -> None:
             max_request_body_bytes=args.max_request_body_bytes,
             max_choices_per_request=args.max_choices_per_request,
             enable_log_requests=args.enable_log_requests,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             enable_dashboard=not args.disable_dashboard, model_root=args.model,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)

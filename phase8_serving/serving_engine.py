@@ -123,7 +123,8 @@ class OpenAIServing:
         else:
             prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = await self._open(request_id, body, prompts)
+        echoed = await self._echoed(body, prompts) if not chat and body.echo else None
+        stream = await self._open(request_id, body, prompts)  # closed however this ends
         if self.config.enable_log_requests:
             logger.info("%s: %d prompt tokens, %d choices, stream=%s", request_id,
                         sum(map(len, prompts)), num_choices, bool(body.stream))  # fmt: skip
@@ -133,7 +134,6 @@ class OpenAIServing:
             for i in range(num_choices)
         ]  # fmt: skip
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
-        echoed = await self._echoed(body, prompts) if not chat and body.echo else None
         if body.stream:
             events = self._events(stream, choices, meta, body, prompts, chat, echoed)
             return EngineStreamingResponse(events, stream, request_id)
@@ -149,7 +149,8 @@ class OpenAIServing:
             logger.info("%s: the client disconnected; its requests were aborted", request_id)
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         build = chat_response if chat else completion_response
-        return FastJSONResponse(build(meta, choices, usage(prompts, choices)))
+        cached = self._cached_tokens(stream, body, range(len(prompts)))
+        return FastJSONResponse(build(meta, choices, usage(prompts, choices, cached)))
 
     def _prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
         """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input
@@ -165,6 +166,16 @@ class OpenAIServing:
         if not all(prompts):
             raise InvalidRequest("the prompt must contain at least one token", "prompt")
         return prompts
+
+    def _cached_tokens(
+        self, stream: RequestStream, body: SamplingRequest, prompt_indices
+    ) -> int | None:
+        """These prompts' tokens found in the prefix cache (each prompt's first choice's, when it
+        was first admitted), if the server reports them (--enable-prompt-tokens-details)."""
+        if not self.config.enable_prompt_tokens_details:
+            return None
+        found = stream.collector.num_cached_tokens
+        return sum(found.get(p * body.n, 0) for p in prompt_indices)
 
     async def _echoed(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """`echo`: each prompt's text, as sent, or decoded from its token ids (in the pool)."""
@@ -247,7 +258,8 @@ class OpenAIServing:
         def usage_so_far(choice: ChoiceStream) -> dict:  # `continuous_usage_stats`
             if not body.continuous_usage:
                 return extra
-            return {"usage": usage([prompts[choice.index // body.n]], [choice])}
+            p = choice.index // body.n
+            return {"usage": usage([prompts[p]], [choice], self._cached_tokens(stream, body, [p]))}
 
         tail = []
         try:
@@ -271,7 +283,8 @@ class OpenAIServing:
                 if events:
                     yield b"".join(events)
             if body.include_usage:
-                tail.append(_sse(usage_chunk(meta, usage(prompts, choices), chat)))
+                cached = self._cached_tokens(stream, body, range(len(prompts)))
+                tail.append(_sse(usage_chunk(meta, usage(prompts, choices, cached), chat)))
         except (EngineStepError, EngineDeadError) as e:  # vLLM's words, then what happened
             tail.append(_sse(error_body(f"Internal server error: {e}", "server_error", None, None)))
         finally:

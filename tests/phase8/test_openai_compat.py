@@ -19,11 +19,14 @@ A logit bias of +100 forces a token under greedy decoding, so every test here is
 """
 
 import json
+import uuid
 
 import httpx
 import openai
 import pytest
 
+from phase8_serving.api_server import build_app
+from phase8_serving.config import ServerConfig
 from phase8_serving.metrics import RequestTiming, build_1_2_5_buckets, finished_request_stats
 
 from .conftest import ENGINE, MAX_MODEL_LEN, MODEL_NAME, assert_openai_error
@@ -411,6 +414,28 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(http):
     content = in_chat["choices"][0]["logprobs"]["content"]
     assert all(e["token"].startswith("token_id:") for e in content)
     assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+
+
+def test_prompt_tokens_details_count_the_prefix_cache_hits(live_server, http):
+    """--enable-prompt-tokens-details (vLLM's flag): usage's `prompt_tokens_details.cached_tokens`
+    counts the prompt tokens found in the prefix cache (whole blocks of 8 here), whole and
+    streamed, summed over prompts; off (the default), usage has no such key."""
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, enable_prompt_tokens_details=True)
+    url = live_server.host.serve(build_app(live_server.llm, config))
+    prompt = f"{uuid.uuid4().hex[:8]}: two blocks, cached"  # new to the cache
+    body = {"prompt": prompt, "max_tokens": 2, **GREEDY}
+    with httpx.Client(base_url=url, timeout=30) as details:
+        first = details.post("/v1/completions", json=body).json()["usage"]
+        again = details.post("/v1/completions", json=body).json()["usage"]
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert again["prompt_tokens_details"]["cached_tokens"] == 24  # of 29 prompt tokens
+        both = details.post("/v1/completions", json={**body, "prompt": [prompt, prompt], "n": 2})
+        assert both.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        response = details.post("/v1/completions", json=streamed)
+        last = json.loads(response.text.split("data: ")[-2])  # the usage chunk, before [DONE]
+        assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 24}
+    assert "prompt_tokens_details" not in complete(http, prompt=prompt)["usage"]
 
 
 @pytest.mark.parametrize("off", [-1, 0])

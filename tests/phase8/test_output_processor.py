@@ -238,6 +238,15 @@ def test_the_offline_llm_reports_the_stop_reason(llm, phase7_llm):
         assert (out.text, out.finish_reason, out.stop_reason) == (free.text[:end], "stop", stop)
 
 
+def test_the_offline_llm_reports_the_prompt_tokens_found_cached(llm):
+    """vLLM's `RequestOutput.num_cached_tokens`: the prompt's prefix cache hit, whole blocks
+    (16 tokens) of it; the first time, none."""
+    prompt = [random.randrange(259) for _ in range(40)]  # new to the cache
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+
+
 def split_prompts(tokenizer) -> list[tuple[list[int], list[int]]]:
     """(prompt, the ids that finish its last character): PROMPT, and prompts that end inside a
     character (byte tokens: a prompt of token ids can end anywhere)."""
