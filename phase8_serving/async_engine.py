@@ -45,7 +45,7 @@ from .output_processor import (
     RequestOutputCollector,
     RequestState,
 )
-from .sampling_params import SamplingParams
+from .sampling_params import PROMPT_LOGPROBS_NEED_ONE_RANK, SamplingParams
 from .streaming import OutputDelta
 from .tokenizer import Tokenizer
 
@@ -248,6 +248,8 @@ def check_prompt(info: CoreInfo, prompt: list[int], params: SamplingParams) -> N
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
     params.check_token_ids(info.vocab_size)
+    if params.prompt_logprobs is not None and info.tensor_parallel_size > 1:
+        raise ValueError(PROMPT_LOGPROBS_NEED_ONE_RANK)
     if min(prompt) < 0 or max(prompt) >= info.vocab_size:
         outside = [t for t in prompt if not 0 <= t < info.vocab_size]
         raise ValueError(

@@ -98,6 +98,7 @@ class CoreInfo(Message):
     block_size: int
     num_cpu_kv_blocks: int
     enable_prefix_caching: bool
+    tensor_parallel_size: int = 1  # prompt_logprobs needs 1
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -112,6 +113,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     arrival_time: float | None = None  # the core's clock, on a request's first output only
     scheduled_time: float | None = None  # when a step first ran it, likewise
     num_cached_tokens: int | None = None  # its prompt's prefix cache hit, likewise
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # likewise, if asked
 
 
 class StepOutputs(Message):

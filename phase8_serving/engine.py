@@ -99,7 +99,7 @@ from .output_processor import (
     RequestState,
 )
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
-from .sampling_params import SEED_LIMIT, SamplingParams
+from .sampling_params import PROMPT_LOGPROBS_NEED_ONE_RANK, SEED_LIMIT, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
 from .streaming import OutputDelta
@@ -131,6 +131,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (vLLM's)
+    # vLLM's: one per prompt token (None for the first), if asked (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -143,6 +145,8 @@ class TokenIdsOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None  # one per new token id, if the request asked
     finish_reason: str | None  # "stop", "length"; None while running
+    # with the first token, if the request asked: one per prompt token (the first has none)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class RequestOutputKind(enum.Enum):
@@ -156,6 +160,7 @@ class RequestOutputKind(enum.Enum):
 class Request:
     seq: Sequence
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # as scored, if asked
 
 
 @dataclass
@@ -288,8 +293,13 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None and self.model.tp.size > 1:
+            raise ValueError(PROMPT_LOGPROBS_NEED_ONE_RANK)
         seq = Sequence(seq_id, request_id, prompt_ids, params, group_id)
-        self.requests[request_id] = Request(seq)
+        self.requests[request_id] = request = Request(seq)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first token: nothing before it to score
+            self.runner.scoring.add(seq_id)
         self.scheduler.add(seq)
         return request_id
 
@@ -389,12 +399,15 @@ class LLMEngine:
         still running, keeps its finished sequences' blocks until it is done.
         -> (sequences that got a token, sequences that finished)."""
         samples = iter(step.sampled.read())  # `step` is done once its tokens are here
+        scored = step.sampled.read_prompt()  # {} unless a prompt's logprobs were asked for
         self.scheduler.free_finished_in_flight()  # finished while `step` ran, which wrote them
         updated, finished = [], []
         for seq, _ in step.scheduled:
             sample = next(samples) if seq.seq_id in step.sampled.row_of else None
             if seq.is_finished:
                 continue  # aborted, or stopped a step late: its token never reaches an output
+            if scored and seq.seq_id in scored:
+                self.requests[seq.request_id].prompt_logprobs += scored[seq.seq_id]
             if sample is None:
                 continue
             seq.num_output_placeholders -= 1
@@ -424,9 +437,12 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> TokenIdsOutput:
         """The token this step added and its logprobs; no text, no prompt (the caller has it)."""
         reason = seq.finish_reason.value if seq.finish_reason else None
-        logprobs = self.requests[seq.request_id].logprobs
-        new_logprobs = logprobs[-1:] if seq.params.logprobs is not None else None
-        return TokenIdsOutput(seq.request_id, seq.token_ids[-1:], new_logprobs, reason)
+        request = self.requests[seq.request_id]
+        new_logprobs = request.logprobs[-1:] if seq.params.logprobs is not None else None
+        output = TokenIdsOutput(seq.request_id, seq.token_ids[-1:], new_logprobs, reason)
+        if request.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            output.prompt_logprobs = request.prompt_logprobs  # complete: the prompt is computed
+        return output
 
 
 # `LLM`'s own keyword arguments; every other one is an engine argument (config.engine_config)
@@ -614,13 +630,15 @@ class LLM:
         llm_request = self.requests[out.request_id]
         if not llm_request.detokenized_at_end:
             return EngineCoreOutput(out.request_id, out.new_token_ids, out.new_logprobs,
-                                    out.finish_reason)  # fmt: skip
+                                    out.finish_reason,
+                                    prompt_logprobs=out.prompt_logprobs)  # fmt: skip
         if out.finish_reason is None:
             return None
         request = llm_request.request
         logprobs = list(request.logprobs) if request.seq.params.logprobs is not None else None
         return EngineCoreOutput(out.request_id, request.seq.output_token_ids, logprobs,
-                                out.finish_reason)  # fmt: skip
+                                out.finish_reason,
+                                prompt_logprobs=request.prompt_logprobs)  # fmt: skip
 
     def _request_output(self, llm_request: LLMRequest, delta: OutputDelta) -> RequestOutput:
         seq = llm_request.request.seq
@@ -628,8 +646,10 @@ class LLM:
         completion = CompletionOutput(0, delta.text, list(delta.token_ids), delta.finish_reason,
                                       logprobs, delta.stop_reason)  # fmt: skip
         cached = seq.num_cached_tokens if seq.num_cached_tokens >= 0 else None
+        prompt_logprobs = llm_request.state.collector.prompt_logprobs.get(0)
         return RequestOutput(seq.request_id, llm_request.prompt, seq.prompt_token_ids,
-                             [completion], delta.finish_reason is not None, cached)  # fmt: skip
+                             [completion], delta.finish_reason is not None, cached,
+                             prompt_logprobs)  # fmt: skip
 
 
 def check_batch(

@@ -244,6 +244,8 @@ class EngineCore:
         output = EngineCoreOutput(
             result.request_id, result.new_token_ids, result.new_logprobs, result.finish_reason
         )
+        if result.prompt_logprobs is not None:
+            output.prompt_logprobs = result.prompt_logprobs
         timing = self.timing.pop(result.request_id, None)
         if timing is not None:  # its first output
             output.arrival_time = timing[0]
@@ -305,6 +307,7 @@ def core_info(engine: LLMEngine) -> CoreInfo:
         block_size=config.block_size,
         num_cpu_kv_blocks=config.num_cpu_kv_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
+        tensor_parallel_size=engine.model.tp.size,
     )
 
 

@@ -99,6 +99,9 @@ class PreparedStep:
         # from `prev_sampled`, the previous step's sampled ids (R',)
         self.num_fed = num_fed
         self.prev_sampled = prev_sampled
+        # prompt_logprobs (rank 0 only): (seq_ids, counts, rows, targets, ks) of the prompt
+        # positions this step scores (ModelRunner._prompt_rows), or None
+        self.prompt_rows = None
 
     @property
     def buffer_rows(self) -> tuple[int, int, int]:

@@ -9,8 +9,15 @@ results go to pinned host memory (`LogprobsTensors.to_host`) and are read when t
 are (`LogprobsTensors.tolists`), so overlap scheduling never waits for them. Split from
 sampling.py in phase 8 (the server's responses, the streaming deltas and the output processor
 need `TokenLogprobs`, not the sampler).
+
+A prompt's logprobs (vLLM's `prompt_logprobs`; the server's `echo` with `logprobs` needs them):
+each prompt token's log-probability given the tokens before it, and its rank, scored from the
+hidden states of the prompt positions before it, in the step that computes them
+(`prompt_token_logprobs`, `PROMPT_ROWS_PER_PASS` positions at a time: a prompt of 16k tokens
+would otherwise make (16k, V) logits, 10 GB at Qwen3's vocabulary).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +30,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+    rank: int | None = None  # 1: the most likely token; computed for prompt tokens only
 
 
 @dataclass
@@ -66,3 +74,67 @@ def token_logprobs(
     top = logprobs.topk(min(max(ks), logits.shape[-1]), dim=-1)  # (W, K); K = 0: empty
     values = torch.cat([logprobs.gather(1, chosen), top.values], dim=1)
     return LogprobsTensors(rows, ks, values, top.indices)
+
+
+PROMPT_ROWS_PER_PASS = 512  # prompt positions scored at once: (512, V) float32 logits, 311 MB
+
+
+@dataclass
+class PromptLogprobsTensors:
+    """The prompt positions a step scored, in schedule order: sequence `seq_ids[i]` owns the
+    next `counts[i]` rows, `targets` are the tokens scored (each position's next prompt token)."""
+
+    seq_ids: list[int]
+    counts: list[int]
+    targets: list[int]
+    logprobs: LogprobsTensors  # row r: targets[r]'s logprob, then its sequence's top k
+    ranks: torch.Tensor  # (P,) int64
+
+    def to_host(self) -> "PromptLogprobsTensors":
+        """Queued copies into pinned host memory, as `LogprobsTensors.to_host`."""
+        ranks = torch.empty(self.ranks.shape, dtype=torch.long, pin_memory=True)
+        ranks.copy_(self.ranks, non_blocking=True)
+        return PromptLogprobsTensors(self.seq_ids, self.counts, self.targets,
+                                     self.logprobs.to_host(), ranks)  # fmt: skip
+
+    def tolists(self) -> dict[int, list[TokenLogprobs]]:
+        """Each sequence's scored prompt tokens, in prompt order, with their ranks."""
+        entries = self.logprobs.tolists(self.targets)
+        ranks = self.ranks.tolist()
+        result, start = {}, 0
+        for seq_id, count in zip(self.seq_ids, self.counts, strict=True):
+            result[seq_id] = [
+                TokenLogprobs(e.token_id, e.logprob, e.top_logprobs, rank)
+                for e, rank in zip(entries[start : start + count], ranks[start : start + count],
+                                   strict=True)
+            ]  # fmt: skip
+            start += count
+        return result
+
+
+def prompt_token_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    seq_ids: list[int],
+    counts: list[int],
+    targets: list[int],
+    ks: list[int],
+) -> PromptLogprobsTensors:
+    """hidden (P, C): the final hidden states of the prompt positions to score, on the device;
+    targets: the token after each; ks: the alternatives each row's sequence asked for. The
+    logits are made `PROMPT_ROWS_PER_PASS` rows at a time and reduced at once to each target's
+    logprob and rank and the top k. Queued on the device: no sync."""
+    device = hidden.device
+    target_ids = torch.tensor(targets, dtype=torch.long).to(device, non_blocking=True)
+    k = max(ks)
+    values, top_ids, ranks = [], [], []
+    for start in range(0, len(targets), PROMPT_ROWS_PER_PASS):
+        rows = slice(start, start + PROMPT_ROWS_PER_PASS)
+        logprobs = torch.log_softmax(compute_logits(hidden[rows]).float(), dim=-1)  # (p, V)
+        chosen = logprobs.gather(1, target_ids[rows, None])  # (p, 1)
+        ranks.append((logprobs > chosen).sum(dim=-1) + 1)
+        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        values.append(torch.cat([chosen, top.values], dim=1))
+        top_ids.append(top.indices)
+    tensors = LogprobsTensors(list(range(len(targets))), ks, torch.cat(values), torch.cat(top_ids))
+    return PromptLogprobsTensors(seq_ids, counts, targets, tensors, torch.cat(ranks))

@@ -60,7 +60,13 @@ from .input_batch import HostBlockTables, PreparedStep, StepInputs, send_step
 from .kernels import PAD_SLOT_ID  # Triton-free: the kernels load on first use
 from .kv_cache import KVCache, copy_blocks
 from .kv_cache_config import KVCacheConfig, kv_cache_dtype
-from .logprobs import LogprobsTensors, TokenLogprobs, token_logprobs
+from .logprobs import (
+    LogprobsTensors,
+    PromptLogprobsTensors,
+    TokenLogprobs,
+    prompt_token_logprobs,
+    token_logprobs,
+)
 from .model import Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
 from .sampling import SamplingBatch, apply_logit_bias, apply_penalties, sample_batch
@@ -80,6 +86,7 @@ class SampledBatch:
 
     token_ids: torch.Tensor  # (R,) int64: one per sampling row
     logprobs: LogprobsTensors | None  # of the rows that asked; None if none did
+    prompt: PromptLogprobsTensors | None = None  # prompt positions scored (prompt_logprobs)
 
 
 class SampledTokens:
@@ -92,12 +99,14 @@ class SampledTokens:
     """
 
     def __init__(self, seq_ids: list[int], device: torch.Tensor, host: torch.Tensor, copied,
-                 logprobs: LogprobsTensors | None = None):  # fmt: skip
+                 logprobs: LogprobsTensors | None = None,
+                 prompt: PromptLogprobsTensors | None = None):  # fmt: skip
         self.row_of = {seq_id: row for row, seq_id in enumerate(seq_ids)}
         self.device = device
         self.host = host  # device's twin in host memory, complete once `copied` has fired
         self.copied = copied  # a CUDA event; None where the device is the CPU (nothing to wait)
         self.logprobs = logprobs  # in host memory once `copied` has fired, like `host`
+        self.prompt = prompt  # likewise
 
     def tolist(self) -> list[int]:
         if self.copied is not None:
@@ -111,6 +120,10 @@ class SampledTokens:
             return [SampledToken(t, None) for t in tokens]
         logprobs = self.logprobs.tolists(tokens)
         return [SampledToken(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+
+    def read_prompt(self) -> dict[int, list[TokenLogprobs]]:
+        """By sequence id, the prompt tokens this step scored (prompt_logprobs); after `read`."""
+        return {} if self.prompt is None else self.prompt.tolists()
 
 
 class ModelRunner:
@@ -155,6 +168,7 @@ class ModelRunner:
                                  self.device, state_slots=hybrid)  # fmt: skip
         self.host_block_tables = HostBlockTables(self.max_blocks)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's stream
+        self.scoring: set[int] = set()  # sequences that asked for their prompt's logprobs
         # Host copies of the sampled ids, used in turn: step N's copy is read after step N+1's
         # is queued (overlap scheduling), so one buffer would be overwritten before it is read.
         self.sampled_host = [
@@ -226,6 +240,8 @@ class ModelRunner:
         prev_sampled = previous.device if fed else None
         step = PreparedStep(S, N, num_sampled, graph_batch_size, batch, samples, len(fed),
                             prev_sampled)  # fmt: skip
+        if self.scoring:  # a decode step scores nothing: it has no prompt positions
+            step.prompt_rows = self._prompt_rows(scheduled, starts, qsl)
         tokens, rows, sampled = step.buffer_rows
         if rows > S:  # padded rows S..rows-1 write nowhere and read nothing
             self._pad(S, rows, N)
@@ -235,6 +251,29 @@ class ModelRunner:
         inp.decode_order[:decodes] = np.argsort(-inp.seq_lens[:decodes], kind="stable")
         inp.copy_to_device(tokens, rows, sampled, width, len(fed))
         return step
+
+    def _prompt_rows(self, scheduled, starts, qsl) -> tuple | None:
+        """The packed rows of the prompt positions this step scores, and what each scores: the
+        hidden state at position p gives the logprob of prompt token p + 1 (the prompt's last
+        position predicts the first output instead). A position is scored once, even when a
+        preempted sequence recomputes it."""
+        seq_ids, counts, rows, targets, ks = [], [], [], [], []
+        for i, (seq, n) in enumerate(scheduled):
+            if seq.seq_id not in self.scoring:
+                continue
+            start = int(starts[i])
+            first = max(start, seq.num_prompt_scored)
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            seq.num_prompt_scored = last
+            row = int(qsl[i]) - start  # + a position: its row in the packed batch
+            seq_ids.append(seq.seq_id)
+            counts.append(last - first)
+            rows += range(row + first, row + last)
+            targets += seq.token_ids[first + 1 : last + 1]
+            ks += [seq.params.prompt_logprobs] * (last - first)
+        return (seq_ids, counts, rows, targets, ks) if seq_ids else None
 
     def _pad(self, num_seqs: int, rows: int, num_tokens: int) -> None:
         inp, pad = self.inputs, rows - num_seqs
@@ -282,11 +321,30 @@ class ModelRunner:
             inp.input_ids_d.index_copy_(0, inp.placeholder_indices_d[:n], sampled)
         if self.model.tp.size > 1:  # tensor parallelism: the other ranks run this step too
             send_step(self.inputs, step)
-        logits = self.forward(step)
+        prompt = None
+        if step.prompt_rows is None:
+            logits = self.forward(step)
+        else:
+            logits, prompt = self._forward_scoring(step)
         chosen = [s for (s, _), f in zip(scheduled, step.samples.tolist(), strict=True) if f]
         if not chosen:
-            return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device), None)
-        return self.sample(logits, chosen, sampled)
+            return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device), None, prompt)
+        batch = self.sample(logits, chosen, sampled)
+        batch.prompt = prompt
+        return batch
+
+    def _forward_scoring(self, step: PreparedStep) -> tuple[torch.Tensor, PromptLogprobsTensors]:
+        """`forward` of an eager step that scores prompt positions (one tensor-parallel rank):
+        the sampling rows' logits, and the scored rows' logprobs from their hidden states."""
+        inp, n = self.inputs, step.num_tokens
+        input_ids, positions = inp.input_ids_d[:n], inp.positions_d[:n]
+        hidden = self.model.model(input_ids, positions, step.batch, *self.caches)  # (N, C)
+        logits = self.model.compute_logits(hidden[step.batch.logits_indices])
+        seq_ids, counts, rows, targets, ks = step.prompt_rows
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        scored = prompt_token_logprobs(self.model.compute_logits, hidden.index_select(0, index),
+                                       seq_ids, counts, targets, ks)  # fmt: skip
+        return logits, scored
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], placeholders: torch.Tensor | None = None
@@ -348,19 +406,21 @@ class ModelRunner:
         whose tokens this one's placeholders are."""
         step = self.prepare(scheduled, previous)
         sampled = self.execute(scheduled, step)
-        ids, logprobs = sampled.token_ids, sampled.logprobs
+        ids, logprobs, prompt = sampled.token_ids, sampled.logprobs, sampled.prompt
         samples = step.samples.tolist()
         seq_ids = [s.seq_id for (s, _), f in zip(scheduled, samples, strict=True) if f]
         if not self.sampled_host:  # the CPU: the ids are already in host memory, computed
-            return SampledTokens(seq_ids, ids, ids, None, logprobs)
+            return SampledTokens(seq_ids, ids, ids, None, logprobs, prompt)
         self.num_launched += 1
         host = self.sampled_host[self.num_launched % 2][: len(ids)]
         host.copy_(ids, non_blocking=True)
         if logprobs is not None:
             logprobs = logprobs.to_host()
+        if prompt is not None:
+            prompt = prompt.to_host()
         copied = torch.cuda.Event()
         copied.record()
-        return SampledTokens(seq_ids, ids, host, copied, logprobs)
+        return SampledTokens(seq_ids, ids, host, copied, logprobs, prompt)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:
@@ -389,6 +449,7 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
+        self.scoring.discard(seq.seq_id)
         self.host_block_tables.release(seq.seq_id)
         if self.state_pool is not None:
             self.state_pool.free(seq.seq_id)

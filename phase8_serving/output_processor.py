@@ -159,6 +159,7 @@ class RequestOutputCollector:
     def __init__(self):
         self.pending: dict[int, OutputDelta | PendingOutput] = {}
         self.num_cached_tokens: dict[int, int] = {}  # by choice: its prompt's prefix cache hit
+        self.prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}  # by choice, if asked
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
 
@@ -304,6 +305,8 @@ class OutputProcessor:
             first = state.num_output_tokens == 0
             if first and output.num_cached_tokens is not None:
                 state.collector.num_cached_tokens[state.index] = output.num_cached_tokens
+            if first and output.prompt_logprobs is not None:
+                state.collector.prompt_logprobs[state.index] = output.prompt_logprobs
             try:
                 delta = state.update(output)
             except Exception as error:  # a bug in one request's text: fail it, never hang it

@@ -10,13 +10,12 @@ fuzzers see is exactly what is enforced. `sampling_params` turns a valid body in
 `SamplingParams`; what needs the tokenized prompt (the context length) is checked there.
 vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs,
-return_token_ids, return_tokens_as_token_ids.
+return_token_ids, return_tokens_as_token_ids, prompt_logprobs.
 
 Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
 `extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
-`suffix`, `echo` with logprobs, `best_of` > n, a `response_format` other than text) are accepted
-only with their do-nothing values (`tool_choice: "none"`, `best_of: n`, ...), else a 400 saying
-so.
+`suffix`, `best_of` > n, a `response_format` other than text) are accepted only with their
+do-nothing values (`tool_choice: "none"`, `best_of: n`, ...), else a 400 saying so.
 """
 
 import abc
@@ -117,6 +116,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[TokenIdKey, Bias] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     response_format: ResponseFormat | None = None  # only {"type": "text"}
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids
@@ -154,6 +154,10 @@ class SamplingRequest(BaseModel):
     @abc.abstractmethod
     def requested_logprobs(self) -> int | None:
         """None: no logprobs; k: the sampled token's and the k most likely tokens'."""
+
+    def scored_prompt_logprobs(self) -> int | None:
+        """How many alternatives the engine scores each prompt token with (None: no scoring)."""
+        return self.prompt_logprobs
 
     def sampling_params(
         self, num_prompt_tokens: int, max_model_len: int, choice: int
@@ -199,6 +203,7 @@ class SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.scored_prompt_logprobs(),
             min_tokens=self.min_tokens,
             logit_bias=None if self.logit_bias is None else {
                 int(token): bias for token, bias in self.logit_bias.items()
@@ -245,13 +250,6 @@ class CompletionRequest(SamplingRequest):
             raise unsupported()
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, value: bool, info) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise unsupported("echo with logprobs: the prompt's logprobs are not computed")
-        return value
-
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info) -> int | None:
@@ -267,6 +265,12 @@ class CompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def scored_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` shows the prompt's tokens' logprobs too."""
+        if not self.echo or self.logprobs is None:
+            return self.prompt_logprobs
+        return max(self.logprobs, self.prompt_logprobs or 0)
 
     @property
     def has_token_ids(self) -> bool:

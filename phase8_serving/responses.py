@@ -32,38 +32,90 @@ class ChoiceStream:
     vLLM's `return_token_ids`: `prompt_token_ids` holds the prompt's ids, and the response (or the
     choice's first chunk) carries them, and every chunk its new ids; `return_tokens_as_token_ids`
     (`ids_as_tokens`) names logprobs' tokens "token_id:ID", for tokens whose text is not theirs
-    alone (a byte of a split character)."""
+    alone (a byte of a split character).
+
+    The prompt's logprobs (`prompt_logprobs` k, or `echo` with `logprobs` k) come with the
+    choice's first output (the engine scores the prompt while computing it); `echo` (the
+    prompt's text and ids) goes out with that first output too, its tokens' logprobs leading
+    the choice's (the first token has none: its entry is its bare id)."""
 
     def __init__(
         self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
-        ids_as_tokens: bool = False,
+        ids_as_tokens: bool = False, echo: tuple[str, list[int]] | None = None,
+        echo_logprobs: int | None = None, prompt_logprobs: int | None = None,
     ):  # fmt: skip
         self.index = index
         self.tokenizer = tokenizer
         self.prompt_token_ids = prompt_token_ids
         self.ids_as_tokens = ids_as_tokens
+        self.echo = echo  # (text, token ids) to send first; None once sent, or without echo
+        self.echo_logprobs = echo_logprobs  # the echoed tokens' alternatives (echo + logprobs)
+        self.prompt_logprobs_k = prompt_logprobs  # the response's field shows this many (None: no)
+        self.awaiting_prompt_logprobs = prompt_logprobs is not None or echo_logprobs is not None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # once they came
         self.num_chunks = 0
         self.text = ""
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] | None = None
+        # an int: an echoed token without logprobs (the prompt's first)
+        self.logprobs: list[TokenLogprobs | int] | None = None
         self.text_offsets: list[int] = []  # per logprob entry: its token's offset in the text
         self.num_token_chars = 0  # characters of the tokens with logprobs so far
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
-    def add(self, delta: OutputDelta) -> bool:
-        """Adds a delta to the totals; True if it is worth sending (new text, new logprobs, or
-        the finish reason)."""
+    def add(self, delta: OutputDelta, prompt_logprobs: dict | None = None) -> OutputDelta | None:
+        """Adds a delta to the totals; returns it as it is to be sent (with the echo, the first
+        time), or None if nothing in it is worth sending (new text, new logprobs, new ids when
+        asked, or the finish reason). `prompt_logprobs`: the request's, by choice index, as the
+        output processor got them (RequestOutputCollector)."""
+        if self.awaiting_prompt_logprobs and prompt_logprobs:
+            self.prompt_logprobs = prompt_logprobs.get(self.index)
+            self.awaiting_prompt_logprobs = self.prompt_logprobs is None
+        if self.echo is not None:
+            delta = self._echoed(delta)
         self.text += delta.text
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
             for lp in delta.logprobs:
                 self.text_offsets.append(self.num_token_chars)
-                self.num_token_chars += len(self.token_text(lp.token_id))
+                self.num_token_chars += len(self.token_text(entry_id(lp)))
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         news = delta.text or delta.logprobs or delta.finish_reason
-        return bool(news or (self.prompt_token_ids is not None and delta.token_ids))
+        return delta if news or (self.prompt_token_ids is not None and delta.token_ids) else None
+
+    def _echoed(self, delta: OutputDelta) -> OutputDelta:
+        """The first delta, after the prompt's text (and its tokens' logprobs, if asked)."""
+        text, ids = self.echo
+        self.echo = None
+        logprobs = delta.logprobs
+        if self.echo_logprobs is not None:
+            k, scored = self.echo_logprobs, self.prompt_logprobs or [None] * len(ids)
+            echoed = [token if lp is None else
+                      TokenLogprobs(lp.token_id, lp.logprob, lp.top_logprobs[:k], lp.rank)
+                      for token, lp in zip(ids, scored, strict=True)]  # fmt: skip
+            logprobs = echoed + (logprobs or [])
+        return delta._replace(text=text + delta.text, logprobs=logprobs)
+
+    def prompt_logprobs_json(self) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id:
+        {logprob, rank, decoded_token}} for the token and the k most likely there."""
+        k = self.prompt_logprobs_k
+        if k is None or self.prompt_logprobs is None:
+            return None
+        result: list[dict | None] = []
+        for lp in self.prompt_logprobs:
+            if lp is None:
+                result.append(None)
+                continue
+            entries = {str(lp.token_id): self._logprob(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (token, logprob) in enumerate(lp.top_logprobs[:k], start=1):
+                entries.setdefault(str(token), self._logprob(token, logprob, rank))
+            result.append(entries)
+        return result
+
+    def _logprob(self, token: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.token_name(token)}
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -80,6 +132,10 @@ class ChoiceStream:
             return {}
         first = {"prompt_token_ids": self.prompt_token_ids} if self.num_chunks == 1 else {}
         return {**first, "token_ids": ids}
+
+
+def entry_id(entry: TokenLogprobs | int) -> int:
+    return entry if isinstance(entry, int) else entry.token_id
 
 
 def token_ids_of(choice: ChoiceStream) -> dict:
@@ -124,16 +180,20 @@ def sampled_in_top(lp: TokenLogprobs) -> tuple[tuple[int, float], ...]:
 
 
 def completion_logprobs(
-    choice: ChoiceStream, logprobs: list[TokenLogprobs] | None, offsets: list[int]
+    choice: ChoiceStream, logprobs: list[TokenLogprobs | int] | None, offsets: list[int]
 ) -> dict | None:
-    """The legacy completions shape: parallel lists, one entry per token (None: not asked)."""
+    """The legacy completions shape: parallel lists, one entry per token (None: not asked; an
+    echoed token without logprobs, the prompt's first, has None in them)."""
     if logprobs is None:
         return None
-    top = [{choice.token_name(t): v for t, v in with_sampled(lp)} for lp in logprobs]
+    name = choice.token_name
     return {
-        "tokens": [choice.token_name(lp.token_id) for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": top,
+        "tokens": [name(entry_id(lp)) for lp in logprobs],
+        "token_logprobs": [None if isinstance(lp, int) else lp.logprob for lp in logprobs],
+        "top_logprobs": [
+            None if isinstance(lp, int) else {name(t): v for t, v in with_sampled(lp)}
+            for lp in logprobs
+        ],
         "text_offset": offsets,
     }
 
@@ -165,7 +225,7 @@ def completion_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dic
                 "logprobs": completion_logprobs(c, c.logprobs, c.text_offsets),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "prompt_logprobs": None,  # vLLM's field; asking for them is a 400 (protocol.py)
+                "prompt_logprobs": c.prompt_logprobs_json(),  # vLLM's field
                 **token_ids_of(c),
             }
             for c in choices
@@ -190,8 +250,8 @@ def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> 
             for c in choices
         ],
         "usage": usage_,
-        "prompt_logprobs": None,
-        "prompt_token_ids": token_ids_of(choices[0])["prompt_token_ids"],  # one prompt
+        "prompt_logprobs": choices[0].prompt_logprobs_json(),  # one prompt
+        "prompt_token_ids": token_ids_of(choices[0])["prompt_token_ids"],
     }
 
 
@@ -201,8 +261,18 @@ def completion_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> di
     logprobs = completion_logprobs(choice, delta.logprobs, offsets)
     entry = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
              "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
-             **choice.token_ids_fields(delta.token_ids)}  # fmt: skip
+             **choice.token_ids_fields(delta.token_ids),
+             **first_prompt_logprobs(choice)}  # fmt: skip
     return {**meta, "object": "text_completion", "choices": [entry]}
+
+
+def first_prompt_logprobs(choice: ChoiceStream) -> dict:
+    """A stream's `prompt_logprobs`, once: in the choice's first chunk after they came."""
+    found = choice.prompt_logprobs_json()
+    if found is None:
+        return {}
+    choice.prompt_logprobs_k = None  # sent
+    return {"prompt_logprobs": found}
 
 
 def chat_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
@@ -211,7 +281,8 @@ def chat_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
     entry = {"index": choice.index, "delta": content, "logprobs": logprobs,
              "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
              **choice.token_ids_fields(delta.token_ids)}  # fmt: skip
-    return {**meta, "object": "chat.completion.chunk", "choices": [entry]}
+    prompt = first_prompt_logprobs(choice) if choice.index == 0 else {}  # one prompt: once
+    return {**meta, "object": "chat.completion.chunk", "choices": [entry], **prompt}
 
 
 def chat_role_chunk(meta: dict, choice: ChoiceStream) -> dict:

@@ -14,8 +14,8 @@ fits in 64 bits, and `check_token_ids` holds the ids a request names to the mode
 
 Fields (vLLM's names and meanings): temperature, top_k, top_p and min_p (sampling.py applies
 them), max_tokens, seed, ignore_eos, stop_token_ids and stop strings (include_stop_str_in_output),
-skip_special_tokens, presence/frequency/repetition penalties, logprobs (logprobs.py), min_tokens
-and logit_bias.
+skip_special_tokens, presence/frequency/repetition penalties, logprobs and prompt_logprobs
+(logprobs.py), min_tokens and logit_bias.
 """
 
 import math
@@ -31,6 +31,9 @@ MAX_ABS_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2] (the OpenA
 # Beyond these, a penalized logit overflows float32 and softmax gives NaN.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_ABS_LOGIT_BIAS = 100.0  # the OpenAI API's range for logit_bias values
+PROMPT_LOGPROBS_NEED_ONE_RANK = (
+    "prompt_logprobs (and echo with logprobs) need tensor_parallel_size 1: only rank 0 scores"
+)
 TOP_K_OFF = (-1, 0)  # vLLM's spellings of "no top-k filter"; stored as None
 
 
@@ -67,6 +70,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: none
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k's
+    prompt_logprobs: int | None = None  # k: each prompt token's logprob, rank and the top k's
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
@@ -137,12 +141,14 @@ class SamplingParams:
                 f"SamplingParams.repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
                 f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
             )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(
-                    f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(
+                        f"SamplingParams.{name} must be <= {MAX_LOGPROBS}, got {value}"
+                    )
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(

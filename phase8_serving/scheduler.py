@@ -161,6 +161,13 @@ class Scheduler:
             self._preempt(last, out)
             out.preempted.append(last)
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` starts with; none for a request for its prompt's logprobs
+        (vLLM's rule: it computes, and so scores, every prompt token)."""
+        if seq.params.prompt_logprobs is not None:
+            return []
+        return self.block_manager.match_prefix(seq)
+
     def _watermark(self) -> int:
         # One block per running sequence and one for the newcomer; none if it will run alone: it
         # then has the whole pool, and a request that fits the pool must always get in.
@@ -168,7 +175,7 @@ class Scheduler:
 
     def _can_admit(self, seq: Sequence) -> bool:
         """Room in the KV cache for all of a waiting sequence's tokens (see _admit_waiting)."""
-        cached = self.block_manager.match_prefix(seq)
+        cached = self._cached_prefix(seq)
         return self.block_manager.can_allocate(cached, seq.num_tokens, self._watermark())
 
     # exercise 4.1: the token budget and chunked prefill
@@ -202,7 +209,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self._least_served_waiting()
-            cached = self.block_manager.match_prefix(seq)
+            cached = self._cached_prefix(seq)
             num_computed = len(cached) * self.block_manager.block_size
             num_new = self._num_new_tokens(seq.num_tokens - num_computed, budget)
             # Room for all its tokens, not just this step's chunk: admitted for a first chunk only,

@@ -56,7 +56,6 @@ from .responses import (
     usage,
     usage_chunk,
 )
-from .streaming import OutputDelta
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -128,17 +127,20 @@ class OpenAIServing:
         if self.config.enable_log_requests:
             logger.info("%s: %d prompt tokens, %d choices, stream=%s", request_id,
                         sum(map(len, prompts)), num_choices, bool(body.stream))  # fmt: skip
-        choices = [
-            ChoiceStream(i, self.tokenizer, prompts[i // body.n] if body.return_token_ids else None,
-                         bool(body.return_tokens_as_token_ids))
-            for i in range(num_choices)
-        ]  # fmt: skip
+        echo_logprobs = body.logprobs if echoed is not None else None
+        choices = []
+        for i in range(num_choices):
+            prompt = prompts[i // body.n]
+            echo = None if echoed is None else (echoed[i // body.n], prompt)
+            choices.append(
+                ChoiceStream(i, self.tokenizer, prompt if body.return_token_ids else None,
+                             bool(body.return_tokens_as_token_ids), echo, echo_logprobs,
+                             body.prompt_logprobs)
+            )  # fmt: skip
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
-            events = self._events(stream, choices, meta, body, prompts, chat, echoed)
+            events = self._events(stream, choices, meta, body, prompts, chat)
             return EngineStreamingResponse(events, stream, request_id)
-        for choice in choices if echoed else ():
-            choice.text = echoed[choice.index // body.n]
         try:
             client_left = await _unless_disconnected(request, _collect(stream, choices))
         except (EngineStepError, EngineDeadError) as e:
@@ -248,10 +250,10 @@ class OpenAIServing:
 
     async def _events(
         self, stream: RequestStream, choices: list[ChoiceStream], meta: dict,
-        body: SamplingRequest, prompts, chat: bool, echoed: list[str] | None,
+        body: SamplingRequest, prompts, chat: bool,
     ) -> AsyncIterator[bytes]:  # fmt: skip
         """The SSE body: one write per engine step with every choice's news of that step;
-        first, a chat's role or an echoed prompt, one chunk per choice."""
+        first, a chat's role, one chunk per choice."""
         chunk = chat_chunk if chat else completion_chunk
         extra = {"usage": None} if body.include_usage else {}  # OpenAI's shape with usage on
 
@@ -267,19 +269,14 @@ class OpenAIServing:
                 yield b"".join(
                     _sse({**chat_role_chunk(meta, c), **usage_so_far(c)}) for c in choices
                 )
-            elif echoed:  # so does an echoed prompt, as one chunk of text per choice
-                events = []
-                for choice in choices:
-                    delta = OutputDelta(echoed[choice.index // body.n], [], None, None)
-                    if choice.add(delta):
-                        events.append(_sse({**chunk(meta, choice, delta), **usage_so_far(choice)}))
-                yield b"".join(events)
+            scored = stream.collector.prompt_logprobs
             async for deltas in stream:
                 events = []
                 for index, delta in deltas.items():
                     choice = choices[index]
-                    if choice.add(delta):  # rendered now: text_offset reads the choice's totals
-                        events.append(_sse({**chunk(meta, choice, delta), **usage_so_far(choice)}))
+                    sent = choice.add(delta, scored)  # with the echo, the first time
+                    if sent is not None:  # rendered now: text_offset reads the choice's totals
+                        events.append(_sse({**chunk(meta, choice, sent), **usage_so_far(choice)}))
                 if events:
                     yield b"".join(events)
             if body.include_usage:
@@ -361,7 +358,7 @@ def _lone_surrogate(value, path: str) -> str | None:
 async def _collect(stream: RequestStream, choices: list[ChoiceStream]) -> None:
     async for deltas in stream:
         for index, delta in deltas.items():
-            choices[index].add(delta)
+            choices[index].add(delta, stream.collector.prompt_logprobs)
 
 
 async def _unless_disconnected(request: Request, work) -> bool:

