@@ -10,7 +10,8 @@ fuzzers see is exactly what is enforced. `sampling_params` turns a valid body in
 `SamplingParams`; what needs the tokenized prompt (the context length) is checked there.
 vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs,
-return_token_ids, return_tokens_as_token_ids, prompt_logprobs.
+return_token_ids, return_tokens_as_token_ids, prompt_logprobs, add_special_tokens,
+truncate_prompt_tokens.
 
 Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
 `extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
@@ -117,6 +118,10 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[TokenIdKey, Bias] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+    # vLLM's: None adds them to a prompt (Llama 3's BOS), not to a chat (its template has them)
+    add_special_tokens: bool | None = None
+    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     response_format: ResponseFormat | None = None  # only {"type": "text"}
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids

@@ -157,14 +157,24 @@ class OpenAIServing:
     def _prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
         """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input
         (token ids alone are checked on the event loop: a hop to a thread cost more)."""
-        tok = self.tokenizer
-        if isinstance(body, ChatCompletionRequest):
-            text = self._render_chat(body)
-            return tok.encode_batch([text], add_special_tokens=False)  # the template holds them
-        prompts = body.prompts()
-        texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(tok.encode_batch(texts) if texts else [])
-        prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        tok, chat = self.tokenizer, isinstance(body, ChatCompletionRequest)
+        special = not chat if body.add_special_tokens is None else body.add_special_tokens
+        if chat:
+            prompts = tok.encode_batch([self._render_chat(body)], add_special_tokens=special)
+        else:
+            prompts = body.prompts()
+            texts = [p for p in prompts if isinstance(p, str)]
+            encoded = iter(tok.encode_batch(texts, add_special_tokens=special) if texts else [])
+            prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        if body.truncate_prompt_tokens is not None:
+            keep = body.truncate_prompt_tokens
+            keep = self.config.max_model_len if keep == -1 else keep
+            if keep > self.config.max_model_len:
+                raise InvalidRequest(
+                    f"truncate_prompt_tokens ({keep}) exceeds max_model_len "
+                    f"({self.config.max_model_len})", "truncate_prompt_tokens",
+                )  # fmt: skip
+            prompts = [p[len(p) - keep :] if len(p) > keep else p for p in prompts]
         if not all(prompts):
             raise InvalidRequest("the prompt must contain at least one token", "prompt")
         return prompts
@@ -180,8 +190,9 @@ class OpenAIServing:
         return sum(found.get(p * body.n, 0) for p in prompt_indices)
 
     async def _echoed(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """`echo`: each prompt's text, as sent, or decoded from its token ids (in the pool)."""
-        if not body.has_token_ids:
+        """`echo`: each prompt's text, as sent, or decoded from its token ids (in the pool), as
+        truncated (truncate_prompt_tokens)."""
+        if not body.has_token_ids and body.truncate_prompt_tokens is None:
             return body.prompts()
         return await self.llm.run_in_tokenizer_pool(
             lambda: [self.tokenizer.decode(p) for p in prompts]

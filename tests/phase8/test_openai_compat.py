@@ -264,9 +264,11 @@ def test_echo_with_logprobs_leads_with_the_prompts_tokens(http, live_server):
     assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
     lengths = [len(token) for token in lp["tokens"]]
     assert lp["text_offset"] == [sum(lengths[:i]) for i in range(n + 2)]
-    chunks = [c["choices"][0] for c in stream_chunks(http, "completions", body)]
-    joined = {key: [x for c in chunks for x in c["logprobs"][key]] for key in lp}
-    assert joined == lp and "".join(c["text"] for c in chunks) == out["text"]
+    chunks = [c["choices"][0] for c in stream_chunks(http, "completions", {**body, "n": 2})]
+    for index in (0, 1):  # each choice leads with the prompt's tokens
+        mine = [c for c in chunks if c["index"] == index]
+        joined = {key: [x for c in mine for x in c["logprobs"][key]] for key in lp}
+        assert joined == lp and "".join(c["text"] for c in mine) == out["text"]
 
 
 @pytest.mark.parametrize(
@@ -461,6 +463,47 @@ def test_prompt_tokens_details_count_the_prefix_cache_hits(live_server, http):
         last = json.loads(response.text.split("data: ")[-2])  # the usage chunk, before [DONE]
         assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 24}
     assert "prompt_tokens_details" not in complete(http, prompt=prompt)["usage"]
+
+
+def test_add_special_tokens_and_truncate_prompt_tokens(tiny_dir):
+    """vLLM's `add_special_tokens` (None: a prompt gets the tokenizer's BOS, a chat's rendered
+    template does not) and `truncate_prompt_tokens` (the prompt's last k tokens; -1: as many as
+    the context holds; more than it, a 400), on a tokenizer whose post-processor adds a BOS."""
+    from types import SimpleNamespace
+
+    from tokenizers.processors import TemplateProcessing
+
+    from phase8_serving.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
+    from phase8_serving.serving_engine import OpenAIServing
+    from phase8_serving.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_dir)
+    bos = tokenizer.backend.token_to_id("<|endoftext|>")
+    tokenizer.backend.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    serving = OpenAIServing(SimpleNamespace(tokenizer=tokenizer), ServerConfig("m", 24))
+    text = tokenizer.encode("Hi there", add_special_tokens=False)
+    ids = serving._prompt_token_ids  # the rule under test
+    assert ids(CompletionRequest(prompt="Hi there")) == [[bos, *text]]
+    assert ids(CompletionRequest(prompt="Hi there", add_special_tokens=False)) == [text]
+    chat_ = {"messages": MESSAGES}
+    assert ids(ChatCompletionRequest(**chat_))[0][0] != bos
+    assert ids(ChatCompletionRequest(**chat_, add_special_tokens=True))[0][0] == bos
+    assert ids(CompletionRequest(prompt="Hi there", truncate_prompt_tokens=3)) == [text[-3:]]
+    long = ids(CompletionRequest(prompt="x" * 40, truncate_prompt_tokens=-1))
+    assert long == [[*tokenizer.encode("x" * 40, add_special_tokens=False)][-24:]]
+    with pytest.raises(InvalidRequest, match="truncate_prompt_tokens"):
+        ids(CompletionRequest(prompt="Hi", truncate_prompt_tokens=25))
+
+
+def test_truncate_prompt_tokens_through_the_server(http):
+    out = complete(http, prompt="a long prompt, cut to its last four", truncate_prompt_tokens=4)
+    assert out["usage"]["prompt_tokens"] == 4
+    echoed = complete(http, prompt="cut to four", truncate_prompt_tokens=4, echo=True, max_tokens=1)
+    assert echoed["choices"][0]["text"].startswith("four")  # the echo is what the model saw
+    assert_openai_error(post(http, "completions", {"truncate_prompt_tokens": -2}), 400,
+                        "truncate_prompt_tokens")  # fmt: skip
 
 
 @pytest.mark.parametrize("off", [-1, 0])
