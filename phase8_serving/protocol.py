@@ -319,10 +319,14 @@ class ChatMessage(BaseModel):
             raise unsupported("only null or empty, as a plain reply holds it")
         return value
 
-    def for_template(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            return "".join(part.text for part in content)
+        return content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        content = self.text() if isinstance(self.content, list) else self.content
         message = {"role": self.role, "content": content, "name": self.name}
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
@@ -340,6 +344,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply goes on with the final message
+    echo: bool = False  # vLLM's: the reply begins with the final message's content, if its role's
     chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
     # function calling is not implemented: accepted only when it asks for nothing
     tools: list[dict[str, Any]] | None = None
@@ -366,7 +372,7 @@ class ChatCompletionRequest(SamplingRequest):
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
-        return self
+        return _one_way_to_end(self)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -386,6 +392,7 @@ class TokenizeRequest(BaseModel):
     # None: True for a prompt (Llama 3's BOS), False for messages (the template holds them)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
     return_token_strs: bool = False  # the tokens' own strings, as the vocabulary spells them
 
@@ -393,7 +400,18 @@ class TokenizeRequest(BaseModel):
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("prompt_or_messages", "give either prompt or messages")
-        return self
+        return _one_way_to_end(self)
+
+
+def _one_way_to_end(body):
+    """A chat's rendered text ends either with the assistant's turn opened or inside the final
+    message (vLLM's rule)."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true "
+            "(add_generation_prompt is true unless set to false)"
+        )
+    return body
 
 
 class DetokenizeRequest(BaseModel):

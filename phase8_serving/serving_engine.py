@@ -122,12 +122,18 @@ class OpenAIServing:
         else:
             prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        echoed = await self._echoed(body, prompts) if not chat and body.echo else None
+        if not body.echo:
+            echoed = None
+        elif chat:  # vLLM's: the final message's content, if the reply goes on in its role
+            final = body.messages[-1]
+            echoed = [final.text() if final.role == "assistant" else ""]
+        else:
+            echoed = await self._echoed(body, prompts)
         stream = await self._open(request_id, body, prompts)  # closed however this ends
         if self.config.enable_log_requests:
             logger.info("%s: %d prompt tokens, %d choices, stream=%s", request_id,
                         sum(map(len, prompts)), num_choices, bool(body.stream))  # fmt: skip
-        echo_logprobs = body.logprobs if echoed is not None else None
+        echo_logprobs = body.logprobs if echoed is not None and not chat else None
         choices = []
         for i in range(num_choices):
             prompt = prompts[i // body.n]
@@ -202,8 +208,10 @@ class OpenAIServing:
         messages = [m.for_template() for m in body.messages]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
-            )
+                messages, body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                **(body.chat_template_kwargs or {}),
+            )  # fmt: skip
         except Exception as e:  # the template is code we run on the client's input
             raise InvalidRequest(f"the chat template failed: {e}", "messages") from e
 

@@ -94,22 +94,35 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """The prompt text for a conversation, as transformers renders it (`tokenize=False`).
 
-        Extra keyword arguments reach the template, e.g. Qwen3's `enable_thinking=False`.
+        `continue_final_message` (transformers' rule): the text ends where the final message's
+        content does, without the end of its turn, so the model goes on writing it (a reply
+        begun by the caller). Extra keyword arguments reach the template, e.g. Qwen3's
+        `enable_thinking=False`.
         """
         if self.chat_template is None:
             raise ValueError("this checkpoint's tokenizer_config.json has no chat_template")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         chat = [_normalize_message(m) for m in messages]
-        return _compile_template(self.chat_template).render(
+        text = _compile_template(self.chat_template).render(
             messages=chat,
             tools=tools,  # JSON schemas, as in the OpenAI API
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens, **template_kwargs},
         )
+        if not continue_final_message:
+            return text
+        final = chat[-1].get("content") or ""
+        for ending in (final, final.strip()):  # templates may strip the content
+            if ending and ending in text:
+                return text[: text.rindex(ending) + len(ending)]
+        raise ValueError("continue_final_message: the final message's content is not in the text")
 
 
 def check_conversations(messages: object) -> list[list[dict[str, Any]]]:

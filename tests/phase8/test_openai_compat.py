@@ -506,6 +506,31 @@ def test_truncate_prompt_tokens_through_the_server(http):
                         "truncate_prompt_tokens")  # fmt: skip
 
 
+def test_continue_final_message_and_chat_echo(http, live_server):
+    """vLLM's `continue_final_message` (with `add_generation_prompt: false`): the prompt ends
+    inside the final message, so the reply goes on with it; `echo` begins the reply with that
+    message's content when it is the assistant's (not a user's). Both true is a 400."""
+    tokenizer = live_server.llm.tokenizer
+    begun = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": begun, "add_generation_prompt": False, "continue_final_message": True}
+    rendered = tokenizer.apply_chat_template(begun, add_generation_prompt=False)
+    expected = rendered[: rendered.rindex("The answer is") + len("The answer is")]
+    assert not expected.endswith("<|im_end|>\n") and rendered.startswith(expected)
+    count = len(tokenizer.encode(expected, add_special_tokens=False))
+    assert http.post("/tokenize", json=body).json()["count"] == count
+    going_on = chat(http, **body)
+    assert going_on["usage"]["prompt_tokens"] == count
+    echoed = chat(http, **body, echo=True)["choices"][0]["message"]["content"]
+    assert echoed == "The answer is" + going_on["choices"][0]["message"]["content"]
+    assert chat(http, echo=True)["choices"][0]["message"] == chat(http)["choices"][0]["message"]
+    streamed = stream_chunks(http, "chat", {**body, "echo": True, "max_tokens": 6,
+                                            "ignore_eos": True, **GREEDY})  # fmt: skip
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed) == echoed
+    for route in ("/v1/chat/completions", "/tokenize"):
+        both = {"messages": begun, "continue_final_message": True}
+        assert_openai_error(http.post(route, json=both), 400, None)
+
+
 @pytest.mark.parametrize("off", [-1, 0])
 def test_top_k_minus_one_and_zero_mean_off(http, off):
     seeded = {"temperature": 1.0, "seed": 7}
