@@ -59,6 +59,20 @@ def test_offline_llm_serves_the_published_checkpoint(qwen3_5_dir, prompts, oracl
     assert frame["state_slots"] == {"held": 0, "total": 2}
 
 
+def test_prompt_logprobs_of_a_hybrid_are_transformers(qwen3_5_dir, hf_model, prompts):
+    """A hybrid's prompt scored in chunks of 48 tokens (its DeltaNet state carried between
+    them): each prompt token's logprob as transformers' forward over the whole prompt."""
+    llm = LLM(qwen3_5_dir, max_num_batched_tokens=48, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        with torch.no_grad():
+            want = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for i in range(1, len(prompt)):
+            assert got[i].logprob == pytest.approx(want[i - 1, prompt[i]].item(), abs=1e-4)
+
+
 def test_the_server_streams_the_same_tokens(qwen3_5_dir, prompts, oracle):
     """Through the engine core process and HTTP: streamed deltas add up to the text of
     transformers' tokens, and so does the non-streamed answer."""
