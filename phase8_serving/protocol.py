@@ -312,6 +312,18 @@ class ChatMessage(BaseModel):
     function_call: dict[str, Any] | None = None
     tool_calls: list[Any] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value):
+        """Names an image or audio part (else pydantic's union error says only that the content
+        is not a string)."""
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise unsupported(f"content part {i} of type {kind!r}; only 'text' parts")
+        return value
+
     @field_validator("refusal", "annotations", "audio", "function_call", "tool_calls")
     @classmethod
     def _says_nothing(cls, value):

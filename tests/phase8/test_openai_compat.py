@@ -559,6 +559,9 @@ BAD = {  # endpoint, extra body, the param the error names
     "an unknown chat field": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
     "an unknown message field": (
         "chat", {"messages": [{"role": "user", "content": "x", "weight": 2}]}, "messages"),
+    "an image part": ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages"),
     "a tool call in the history": ("chat", {"messages": [
         *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1"}]},
         {"role": "tool", "content": "42", "tool_call_id": "call_1"}]}, "messages"),
@@ -589,6 +592,8 @@ def test_unsupported_or_invalid_fields_are_400s_that_name_them(http, case):
     endpoint, extra, param = BAD[case]
     error = assert_openai_error(post(http, endpoint, extra), 400, param)
     assert error["message"].startswith(param)
+    if case == "an image part":  # named, not "content should be a string"
+        assert "content part 1 of type 'image_url'" in error["message"]
     assert_still_serving(http)
 
 
