@@ -186,6 +186,7 @@ class AsyncLLM:
         self._start()
         for prompt, p in zip(prompts, params, strict=True):
             check_prompt(self.info, prompt, p)
+            p.check_allowed_tokens(self.tokenizer.eos_token_ids)
         if not self.client.is_alive:
             raise EngineDeadError("an engine core has died; the server cannot take requests")
         core = self.client.least_loaded()

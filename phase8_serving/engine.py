@@ -267,6 +267,7 @@ class LLMEngine:
         check_optional("request_id", request_id, str)
         check_optional("group_id", group_id, str)
         params.check_token_ids(self.model.config.vocab_size)
+        params.check_allowed_tokens(self.eos_token_ids)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
         if self.config.max_model_len is not None and max_len > self.config.max_model_len:

@@ -69,7 +69,13 @@ from .logprobs import (
 )
 from .model import Qwen3ForCausalLM
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
-from .sampling import SamplingBatch, apply_logit_bias, apply_penalties, sample_batch
+from .sampling import (
+    SamplingBatch,
+    apply_logit_bias,
+    apply_penalties,
+    keep_allowed_tokens,
+    sample_batch,
+)
 from .sequence import Sequence, SequenceStatus
 from .state_pool import StatePool
 
@@ -360,6 +366,8 @@ class ModelRunner:
             biases = [self._logit_bias(s) for s in seqs]
             if any(biases):
                 logits = apply_logit_bias(logits, biases)
+        if any(p.allowed_token_ids for p in params):
+            logits = keep_allowed_tokens(logits, [p.allowed_token_ids for p in params])
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
                 logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],

@@ -11,7 +11,7 @@ fuzzers see is exactly what is enforced. `sampling_params` turns a valid body in
 vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs,
 return_token_ids, return_tokens_as_token_ids, prompt_logprobs, add_special_tokens,
-truncate_prompt_tokens.
+truncate_prompt_tokens, allowed_token_ids.
 
 Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
 `extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
@@ -118,6 +118,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[TokenIdKey, Bias] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
     # vLLM's: None adds them to a prompt (Llama 3's BOS), not to a chat (its template has them)
     add_special_tokens: bool | None = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
@@ -213,6 +214,7 @@ class SamplingRequest(BaseModel):
             logit_bias=None if self.logit_bias is None else {
                 int(token): bias for token, bias in self.logit_bias.items()
             },
+            allowed_token_ids=self.allowed_token_ids,
         )  # fmt: skip
 
 

@@ -39,7 +39,8 @@ Phase 8 (what a server's clients ask for, as the OpenAI API names it):
 - `logit_bias` (token id -> a bias in [-100, 100] added to its logit) and `min_tokens` (EOS and
   the stop tokens are impossible until that many tokens exist: their logits are -inf), applied
   before the penalties, as vLLM applies its logits processors, by one batched scatter-add in
-  steps where some row has either (`apply_logit_bias`).
+  steps where some row has either (`apply_logit_bias`); vLLM's `allowed_token_ids` (every other
+  token -inf), likewise, by one mask (`keep_allowed_tokens`).
 `top_k` -1 or 0 means no top-k filter, as in vLLM (stored as None). What a request asks for,
 `SamplingParams` and its checks, moves to sampling_params.py (vLLM's file name: the server's
 protocol and the engine need the parameters, only the runner the sampler), and logprobs to
@@ -169,6 +170,21 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -
     biased.index_put_((to(rows, torch.long), to(ids, torch.long)), to(values, torch.float32),
                       accumulate=True)  # fmt: skip
     return biased
+
+
+def keep_allowed_tokens(
+    logits: torch.Tensor, allowed: Sequence[Sequence[int] | None]
+) -> torch.Tensor:
+    """logits (R, V) -> logits (R, V) float32, a new tensor, where a row with allowed token ids
+    keeps only theirs (every other logit -inf); a row with None is unchanged."""
+    device = logits.device
+    rows = [r for r, ids in enumerate(allowed) if ids]
+    to = lambda xs: torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+    keep = torch.ones(logits.shape, dtype=torch.bool, device=device)
+    keep[to(rows)] = False
+    ids = [t for r in rows for t in allowed[r]]
+    keep[to([r for r in rows for _ in allowed[r]]), to(ids)] = True
+    return logits.to(torch.float32).masked_fill(~keep, float("-inf"))
 
 
 # exercise 8.2: presence, frequency and repetition penalties, batched

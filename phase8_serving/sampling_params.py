@@ -15,7 +15,7 @@ fits in 64 bits, and `check_token_ids` holds the ids a request names to the mode
 Fields (vLLM's names and meanings): temperature, top_k, top_p and min_p (sampling.py applies
 them), max_tokens, seed, ignore_eos, stop_token_ids and stop strings (include_stop_str_in_output),
 skip_special_tokens, presence/frequency/repetition penalties, logprobs and prompt_logprobs
-(logprobs.py), min_tokens and logit_bias.
+(logprobs.py), min_tokens, logit_bias and allowed_token_ids.
 """
 
 import math
@@ -73,6 +73,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # k: each prompt token's logprob, rank and the top k's
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be sampled
 
     def __post_init__(self):
         # Accept vLLM users' habits (a list) but store tuples: params are frozen.
@@ -157,6 +158,15 @@ class SamplingParams:
             )
         if self.logit_bias is not None:
             self._check_logit_bias()
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids:
+                raise ValueError(
+                    "SamplingParams.allowed_token_ids must be a non-empty list of ints, "
+                    f"got {self.allowed_token_ids!r}"
+                )
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            for token in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token, minimum=0)
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -175,13 +185,26 @@ class SamplingParams:
         """Raises ValueError unless every token id these params name is in [0, vocab_size): an
         id past the LM head would index out of range inside a batch shared with others."""
         for name, ids in (("stop_token_ids", self.stop_token_ids),
-                          ("logit_bias", self.logit_bias or ())):  # fmt: skip
+                          ("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):  # fmt: skip
             outside = [t for t in ids if t >= vocab_size]
             if outside:
                 raise ValueError(
                     f"SamplingParams.{name} holds token ids outside the vocabulary "
                     f"[0, {vocab_size}): {outside[:5]}"
                 )
+
+    def check_allowed_tokens(self, eos_token_ids: frozenset[int]) -> None:
+        """Raises ValueError if min_tokens would mask every allowed token (each a stop token):
+        the first step would have nothing left to sample."""
+        if self.allowed_token_ids is None or self.min_tokens == 0:
+            return
+        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+        if set(self.allowed_token_ids) <= stops:
+            raise ValueError(
+                "SamplingParams.allowed_token_ids holds only stop tokens, which min_tokens "
+                "forbids at first: nothing could be sampled"
+            )
 
     @property
     def greedy(self) -> bool:

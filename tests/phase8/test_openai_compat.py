@@ -531,6 +531,25 @@ def test_continue_final_message_and_chat_echo(http, live_server):
         assert_openai_error(http.post(route, json=both), 400, None)
 
 
+def test_allowed_token_ids_restrict_what_is_sampled(http, token_id, eos_id):
+    """vLLM's `allowed_token_ids`: only they are sampled (at temperature 1 too, whatever the
+    logit bias); out of the vocabulary or empty, a 400; allowing only EOS while min_tokens holds
+    it off is a 400, not a request that could sample nothing."""
+    a, b = token_id("a"), token_id("b")
+    out = complete(http, temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=[a, b],
+                   logit_bias={str(token_id("Q")): FORCE})["choices"][0]["text"]  # fmt: skip
+    assert len(out) == 12 and set(out) <= {"a", "b"}
+    in_chat = chat(http, allowed_token_ids=[a])["choices"][0]["message"]["content"]
+    assert in_chat == "a" * 6
+    for bad in ([], [-1], [100000]):
+        error = assert_openai_error(post(http, "chat", {"allowed_token_ids": bad}), 400)
+        assert "allowed_token_ids" in error["message"]
+    error = assert_openai_error(post(http, "completions", {
+        "allowed_token_ids": [eos_id], "min_tokens": 2}), 400)  # fmt: skip
+    assert "only stop tokens" in error["message"]
+    assert_still_serving(http)
+
+
 @pytest.mark.parametrize("off", [-1, 0])
 def test_top_k_minus_one_and_zero_mean_off(http, off):
     seeded = {"temperature": 1.0, "seed": 7}

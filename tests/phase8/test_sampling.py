@@ -11,7 +11,7 @@ import phase7_optim.sampling
 import phase8_serving.sampling
 from phase8_serving.logprobs import token_logprobs
 from phase8_serving.model_runner import ModelRunner, SampledTokens
-from phase8_serving.sampling import apply_logit_bias, apply_penalties
+from phase8_serving.sampling import apply_logit_bias, apply_penalties, keep_allowed_tokens
 from phase8_serving.sampling_params import SamplingParams
 from phase8_serving.sequence import Sequence
 
@@ -67,6 +67,25 @@ def test_penalties_leave_the_callers_logits_raw():
     params = [SamplingParams(repetition_penalty=1.5, presence_penalty=1.0)] * 2
     penalized = apply_penalties(logits, [[1, 2], [3]], [[4, 4], [5]], params)
     assert torch.equal(logits, raw) and not torch.equal(penalized, raw)
+
+
+def test_allowed_token_ids_keep_only_theirs():
+    """vLLM's allowed_token_ids: every other logit of that row -inf, other rows untouched, the
+    caller's logits raw; a min_tokens that would mask every allowed token is refused."""
+    logits = torch.randn(3, VOCAB)
+    raw = logits.clone()
+    kept = keep_allowed_tokens(logits, [None, (5, 7), (VOCAB - 1,)])
+    assert torch.equal(logits, raw) and torch.equal(kept[0], raw[0])
+    assert torch.isinf(kept[1]).sum() == VOCAB - 2 and torch.equal(kept[1, [5, 7]], raw[1, [5, 7]])
+    assert kept[2].argmax() == VOCAB - 1 and torch.isinf(kept[2]).sum() == VOCAB - 1
+    stopping = SamplingParams(allowed_token_ids=[3], stop_token_ids=[3], min_tokens=1)
+    with pytest.raises(ValueError, match="only stop tokens"):
+        stopping.check_allowed_tokens(frozenset())
+    ignored = SamplingParams(allowed_token_ids=[3], min_tokens=1, ignore_eos=True)
+    ignored.check_allowed_tokens(frozenset({3}))  # EOS ignored: not a stop token
+    for bad in ([], [-1], [1.5], "1"):
+        with pytest.raises((TypeError, ValueError), match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
 
 
 def sequence(prompt: list[int], output: list[int], params: SamplingParams) -> Sequence:
