@@ -130,11 +130,14 @@ def prompt_token_logprobs(
     values, top_ids, ranks = [], [], []
     for start in range(0, len(targets), PROMPT_ROWS_PER_PASS):
         rows = slice(start, start + PROMPT_ROWS_PER_PASS)
-        logprobs = torch.log_softmax(compute_logits(hidden[rows]).float(), dim=-1)  # (p, V)
-        chosen = logprobs.gather(1, target_ids[rows, None])  # (p, 1)
-        ranks.append((logprobs > chosen).sum(dim=-1) + 1)
-        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-        values.append(torch.cat([chosen, top.values], dim=1))
+        logits = compute_logits(hidden[rows]).float()  # (p, V)
+        # logprob = logit - logsumexp: ranks and the top k read the logits, and no (p, V)
+        # log-softmax is written
+        norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # (p, 1)
+        chosen = logits.gather(1, target_ids[rows, None])  # (p, 1)
+        ranks.append((logits > chosen).sum(dim=-1) + 1)
+        top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+        values.append(torch.cat([chosen, top.values], dim=1) - norm)
         top_ids.append(top.indices)
     tensors = LogprobsTensors(list(range(len(targets))), ks, torch.cat(values), torch.cat(top_ids))
     return PromptLogprobsTensors(seq_ids, counts, targets, tensors, torch.cat(ranks))
