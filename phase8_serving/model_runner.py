@@ -246,7 +246,7 @@ class ModelRunner:
         prev_sampled = previous.device if fed else None
         step = PreparedStep(S, N, num_sampled, graph_batch_size, batch, samples, len(fed),
                             prev_sampled)  # fmt: skip
-        if self.scoring:  # a decode step scores nothing: it has no prompt positions
+        if self.scoring:  # only while some request wants its prompt's logprobs
             step.prompt_rows = self._prompt_rows(scheduled, starts, qsl)
         tokens, rows, sampled = step.buffer_rows
         if rows > S:  # padded rows S..rows-1 write nowhere and read nothing
