@@ -386,7 +386,11 @@ class ChatCompletionRequest(SamplingRequest):
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
-        return _one_way_to_end(self)
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self):
+        return check_one_way_to_end(self)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -414,10 +418,14 @@ class TokenizeRequest(BaseModel):
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("prompt_or_messages", "give either prompt or messages")
-        return _one_way_to_end(self)
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self):
+        return check_one_way_to_end(self)
 
 
-def _one_way_to_end(body):
+def check_one_way_to_end(body):
     """A chat's rendered text ends either with the assistant's turn opened or inside the final
     message (vLLM's rule)."""
     if body.continue_final_message and body.add_generation_prompt:
