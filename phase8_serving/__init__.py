@@ -34,6 +34,7 @@ _EXPORTS = {
     "Sequence": "sequence",
     "SequenceStatus": "sequence",
     "StepTrace": "trace",
+    "StructuredOutputsParams": "sampling_params",
     "Tokenizer": "tokenizer",
     "load_model": "loader",
 }

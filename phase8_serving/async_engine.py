@@ -47,6 +47,7 @@ from .output_processor import (
 )
 from .sampling_params import PROMPT_LOGPROBS_NEED_ONE_RANK, SamplingParams
 from .streaming import OutputDelta
+from .structured_output import check_byte_level
 from .tokenizer import Tokenizer
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStepError", "RequestStream"]
@@ -187,6 +188,8 @@ class AsyncLLM:
         for prompt, p in zip(prompts, params, strict=True):
             check_prompt(self.info, prompt, p)
             p.check_allowed_tokens(self.tokenizer.eos_token_ids)
+            if p.structured_outputs is not None:
+                check_byte_level(self.tokenizer)
         if not self.client.is_alive:
             raise EngineDeadError("an engine core has died; the server cannot take requests")
         core = self.client.least_loaded()

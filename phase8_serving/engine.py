@@ -103,6 +103,7 @@ from .sampling_params import PROMPT_LOGPROBS_NEED_ONE_RANK, SEED_LIMIT, Sampling
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
 from .streaming import OutputDelta
+from .structured_output import GrammarCache, Vocabulary, check_byte_level
 from .tokenizer import Tokenizer, check_conversations
 from .trace import StepTrace
 from .worker import start_workers
@@ -235,8 +236,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         vocab = model.config.vocab_size  # a tokenizer's id past the LM head can never be sampled
         eos_ids = frozenset(t for t in self.eos_token_ids if t < vocab)
+        # the vocabulary as bytes, for structured outputs: built by the first request with one
+        grammars = GrammarCache(lambda: Vocabulary.from_tokenizer(tokenizer, vocab))
         self.runner = ModelRunner(
-            model, self.config, self.block_manager, self.kv_cache_config, eos_ids
+            model, self.config, self.block_manager, self.kv_cache_config, eos_ids, grammars
         )
         if self.runner.state_pool is not None:
             pool = self.runner.state_pool
@@ -268,6 +271,8 @@ class LLMEngine:
         check_optional("group_id", group_id, str)
         params.check_token_ids(self.model.config.vocab_size)
         params.check_allowed_tokens(self.eos_token_ids)
+        if params.structured_outputs is not None:
+            check_byte_level(self.tokenizer)
         prompt_ids = self._tokenize(prompt)
         max_len = len(prompt_ids) + params.max_tokens
         if self.config.max_model_len is not None and max_len > self.config.max_model_len:

@@ -46,6 +46,10 @@ tokens (`SampledTokens.read` pairs each token with them: `SampledToken`). A step
 asks for any of these runs exactly phase 7's path, with its one device-to-host copy; logprobs
 add their own. Overlap scheduling needs nothing from the host for them: a placeholder token
 counts for min_tokens, and the penalties take it from the device, where `execute` has it.
+Structured outputs (structured_output.py) are the exception: a row under a grammar keeps only
+the tokens its grammar allows after every token so far, so its mask needs the placeholder's value
+on the host. `sample` reads it after the step's forward is queued, so the device stays busy while
+the host waits for the previous step's copy and walks the grammar.
 """
 
 from dataclasses import dataclass
@@ -78,6 +82,7 @@ from .sampling import (
 )
 from .sequence import Sequence, SequenceStatus
 from .state_pool import StatePool
+from .structured_output import GrammarCache, GrammarMatcher
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class ModelRunner:
         block_manager: BlockManager,
         kv_cache_config: KVCacheConfig,
         eos_token_ids: frozenset[int] = frozenset(),  # what min_tokens holds off (rank 0 samples)
+        grammars: GrammarCache | None = None,  # structured outputs' grammars (rank 0 samples)
     ):
         self.model = model
         self.block_manager = block_manager
@@ -174,6 +180,8 @@ class ModelRunner:
                                  self.device, state_slots=hybrid)  # fmt: skip
         self.host_block_tables = HostBlockTables(self.max_blocks)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's stream
+        self.grammars = grammars
+        self.matchers: dict[int, GrammarMatcher] = {}  # seq_id -> its place in its grammar
         self.scoring: set[int] = set()  # sequences that asked for their prompt's logprobs
         # Host copies of the sampled ids, used in turn: step N's copy is read after step N+1's
         # is queued (overlap scheduling), so one buffer would be overwritten before it is read.
@@ -318,8 +326,14 @@ class ModelRunner:
         return self.model(input_ids, positions, step.batch, *self.caches)
 
     @torch.no_grad()
-    def execute(self, scheduled: list[tuple[Sequence, int]], step: PreparedStep) -> SampledBatch:
-        """Forward and sampling, queued on the device: -> token ids (R,) of the sampling rows."""
+    def execute(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        step: PreparedStep,
+        previous: SampledTokens | None = None,
+    ) -> SampledBatch:
+        """Forward and sampling, queued on the device: -> token ids (R,) of the sampling rows.
+        `previous`: the step before, whose tokens the placeholders are (structured outputs)."""
         sampled = None  # (F,) the placeholders' tokens, in schedule order
         if step.num_fed:  # placeholders, gathered on the device before anyone reads input_ids
             inp, n = self.inputs, step.num_fed
@@ -335,7 +349,7 @@ class ModelRunner:
         chosen = [s for (s, _), f in zip(scheduled, step.samples.tolist(), strict=True) if f]
         if not chosen:
             return SampledBatch(torch.empty(0, dtype=torch.long, device=self.device), None, prompt)
-        batch = self.sample(logits, chosen, sampled)
+        batch = self.sample(logits, chosen, sampled, previous)
         batch.prompt = prompt
         return batch
 
@@ -353,15 +367,22 @@ class ModelRunner:
         return logits, scored
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], placeholders: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        placeholders: torch.Tensor | None = None,
+        previous: SampledTokens | None = None,
     ) -> SampledBatch:
         """logits (R, V) of `seqs`' sampling rows -> their tokens, biased and penalized where
         asked (host-side checks first: a step where no row asks runs no extra pass), and the
         logprobs of the rows that ask, from the raw logits. `placeholders` (F,): the last output
         token of each sequence with a placeholder, in order, on the device (overlap scheduling:
-        sampled by the step before, unknown to the host); the penalties count it there."""
+        sampled by the step before, unknown to the host); the penalties count it there, and a
+        grammar reads it from `previous`, that step's tokens."""
         params = [s.params for s in seqs]
         raw_logits = logits
+        if any(p.structured_outputs for p in params):
+            logits = self._keep_grammar_tokens(logits, seqs, previous)
         if any(p.logit_bias or p.min_tokens for p in params):
             biases = [self._logit_bias(s) for s in seqs]
             if any(biases):
@@ -382,6 +403,40 @@ class ModelRunner:
         ks = [params[r].logprobs for r in wanted]
         # now, while the raw logits are there: a graph replay's are overwritten by the next step
         return SampledBatch(token_ids, token_logprobs(raw_logits, token_ids, wanted, ks))
+
+    def _keep_grammar_tokens(
+        self, logits: torch.Tensor, seqs: list[Sequence], previous: SampledTokens | None
+    ) -> torch.Tensor:
+        """logits (R, V) -> float32 logits where each row under a grammar keeps only the tokens
+        it allows next (its stop tokens too, once the value is complete); the others unchanged.
+        Each matcher first reads the row's tokens it has not read, a placeholder's included."""
+        rows, masks, previous_tokens = [], [], None
+        for r, seq in enumerate(seqs):
+            structured = seq.params.structured_outputs
+            if structured is None:
+                continue
+            matcher = self.matchers.get(seq.seq_id)
+            if matcher is None:
+                matcher = self.grammars.matcher(structured.kind, structured.spec)
+                self.matchers[seq.seq_id] = matcher
+            tokens = seq.output_token_ids
+            if seq.num_output_placeholders:  # sampled by `previous`: wait for its copy
+                if previous_tokens is None:
+                    previous_tokens = previous.tolist()
+                tokens = tokens + [previous_tokens[previous.row_of[seq.seq_id]]]
+            stops = self.eos_token_ids | frozenset(seq.params.stop_token_ids)
+            matcher.read(tokens, stops)
+            rows.append(r)
+            masks.append(matcher.mask(stops))  # bit t (little-endian): token t is allowed
+        V = logits.shape[-1]
+        to = lambda x: torch.from_numpy(x).to(self.device, non_blocking=True)  # noqa: E731
+        packed = to(np.stack(masks))  # (G, ceil(V / 8)) uint8: 8x fewer bytes than bools
+        shifts = torch.arange(8, dtype=torch.uint8, device=self.device)
+        keep = (packed[:, :, None] >> shifts & 1).bool().flatten(1)[:, :V]
+        rows = to(np.array(rows))
+        logits = logits.to(torch.float32, copy=True)  # the raw logits stay raw (logprobs)
+        logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+        return logits
 
     def _placeholder_rows(
         self, seqs: list[Sequence], placeholders: torch.Tensor | None
@@ -413,7 +468,7 @@ class ModelRunner:
         host) and returns without waiting for any of it. `previous`: the step launched before,
         whose tokens this one's placeholders are."""
         step = self.prepare(scheduled, previous)
-        sampled = self.execute(scheduled, step)
+        sampled = self.execute(scheduled, step, previous)
         ids, logprobs, prompt = sampled.token_ids, sampled.logprobs, sampled.prompt
         samples = step.samples.tolist()
         seq_ids = [s.seq_id for (s, _), f in zip(scheduled, samples, strict=True) if f]
@@ -457,6 +512,7 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
+        self.matchers.pop(seq.seq_id, None)
         self.scoring.discard(seq.seq_id)
         self.host_block_tables.release(seq.seq_id)
         if self.state_pool is not None:

@@ -11,12 +11,15 @@ fuzzers see is exactly what is enforced. `sampling_params` turns a valid body in
 vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs,
 return_token_ids, return_tokens_as_token_ids, prompt_logprobs, add_special_tokens,
-truncate_prompt_tokens, allowed_token_ids.
+truncate_prompt_tokens, allowed_token_ids, structured_outputs (and its older names guided_json,
+guided_choice). Structured outputs come from OpenAI's `response_format` (json_object,
+json_schema) or vLLM's fields, one of them per request; a schema this server cannot enforce is a
+400 that says which keyword.
 
 Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
 `extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
-`suffix`, `best_of` > n, a `response_format` other than text) are accepted only with their
-do-nothing values (`tool_choice: "none"`, `best_of: n`, ...), else a 400 saying so.
+`suffix`, `best_of` > n) are accepted only with their do-nothing values (`tool_choice: "none"`,
+`best_of: n`, ...), else a 400 saying so.
 """
 
 import abc
@@ -40,6 +43,7 @@ from .sampling_params import (
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 MAX_N = 16  # completions per prompt one request may ask for
@@ -88,9 +92,43 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # the schema is always enforced; accepted either way
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")  # json_schema's schema rides along
-    type: str
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), choice, json_object."""
+
+    model_config = STRICT
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    regex: Any = None  # vLLM's; not supported here
+    grammar: Any = None  # vLLM's; not supported here
+    structural_tag: Any = None  # vLLM's; not supported here
+
+    @model_validator(mode="after")
+    def _supported(self):
+        for name in ("regex", "grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise unsupported(f"{name}; only json, choice and json_object")
+        return self
 
 
 class SamplingRequest(BaseModel):
@@ -123,7 +161,10 @@ class SamplingRequest(BaseModel):
     add_special_tokens: bool | None = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    response_format: ResponseFormat | None = None  # only {"type": "text"}
+    response_format: ResponseFormat | None = None  # text, json_object or json_schema
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older name for structured_outputs.json
+    guided_choice: list[str] | None = None  # vLLM's older name for structured_outputs.choice
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:ID"
@@ -131,12 +172,39 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as by vLLM
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
-        if value is not None and value.type != "text":
-            raise unsupported(f"type {value.type!r}; only 'text'")
-        return value
+    @model_validator(mode="after")
+    def _one_structured_output(self):
+        """At most one way to ask for structured outputs, and a spec the grammar can enforce
+        (checked here, so a bad schema is a 400 before anything is tokenized)."""
+        asked = lambda name: (
+            getattr(self, name) is not None
+            and (  # noqa: E731
+                name != "response_format" or self.response_format.type != "text"
+            )
+        )
+        ways = ("response_format", "structured_outputs", "guided_json", "guided_choice")
+        given = [name for name in ways if asked(name)]
+        if len(given) > 1:
+            raise ValueError(f"ask for structured outputs one way, not with {' and '.join(given)}")
+        if given:
+            self.structured_outputs_params()  # SchemaError (a ValueError) names the problem
+        return self
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        so, rf = self.structured_outputs, self.response_format
+        if so is not None:
+            return StructuredOutputsParams(json=so.json_, choice=so.choice,
+                                           json_object=so.json_object)  # fmt: skip
+        if self.guided_json is not None:
+            return StructuredOutputsParams(json=self.guided_json)
+        if self.guided_choice is not None:
+            return StructuredOutputsParams(choice=self.guided_choice)
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = rf.json_schema.json_schema
+        return StructuredOutputsParams(json=True if schema is None else schema)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -215,6 +283,7 @@ class SamplingRequest(BaseModel):
                 int(token): bias for token, bias in self.logit_bias.items()
             },
             allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.structured_outputs_params(),
         )  # fmt: skip
 
 

@@ -15,11 +15,17 @@ fits in 64 bits, and `check_token_ids` holds the ids a request names to the mode
 Fields (vLLM's names and meanings): temperature, top_k, top_p and min_p (sampling.py applies
 them), max_tokens, seed, ignore_eos, stop_token_ids and stop strings (include_stop_str_in_output),
 skip_special_tokens, presence/frequency/repetition penalties, logprobs and prompt_logprobs
-(logprobs.py), min_tokens, logit_bias and allowed_token_ids.
+(logprobs.py), min_tokens, logit_bias, allowed_token_ids and structured_outputs (the reply must
+be JSON, or one of given strings: structured_output.py).
 """
 
+import functools
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from .structured_output import compile_spec
 
 # The smallest positive temperature: 1/T multiplies the logits, and float32 overflows to inf (then
 # softmax gives NaN) once T nears 1e-38. 1e-5 keeps that far away for any logit below 1e33, and is
@@ -53,6 +59,58 @@ def _check_real(name: str, value: object) -> None:
         raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
 
 
+@functools.lru_cache(maxsize=256)
+def _check_spec(kind: str, canonical: str) -> None:
+    """Compiles a spec once per distinct spec (n choices, the core's copy): SchemaError if bad."""
+    compile_spec(kind, json.loads(canonical))
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's: what the reply must be, exactly one of: `json`, a JSON schema (a dict, or its JSON
+    text); `json_object=True`, any JSON object; `choice`, one of these strings."""
+
+    json: Any = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [n for n in ("json", "choice", "json_object") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams takes exactly one of json, choice, json_object, "
+                f"got {given or 'none'}"
+            )
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(
+                f"StructuredOutputsParams.json_object must be true, got {self.json_object!r}"
+            )
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        _check_spec(self.kind, json.dumps(self.spec, sort_keys=True))
+
+    @property
+    def kind(self) -> str:
+        return (
+            "json"
+            if self.json is not None
+            else "choice"
+            if self.choice is not None
+            else "json_object"
+        )
+
+    @property
+    def spec(self) -> Any:
+        return {"json": self.json, "choice": list(self.choice or ()), "json_object": True}[
+            self.kind
+        ]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -74,6 +132,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be sampled
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's: JSON, or one of choices
 
     def __post_init__(self):
         # Accept vLLM users' habits (a list) but store tuples: params are frozen.
@@ -167,6 +226,22 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
             for token in self.allowed_token_ids:
                 _check_int("allowed_token_ids", token, minimum=0)
+        if self.structured_outputs is not None:
+            self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                "SamplingParams.structured_outputs must be a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
+        # Each narrows what may be sampled; with a grammar they could leave nothing (a complete
+        # value allows only EOS, which min_tokens forbids).
+        for name in ("min_tokens", "allowed_token_ids"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"SamplingParams.{name} cannot be combined with structured_outputs"
+                )
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):

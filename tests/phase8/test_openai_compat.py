@@ -567,14 +567,13 @@ BAD = {  # endpoint, extra body, the param the error names
         "chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     "functions": ("chat", {"functions": [TOOL["function"]]}, "functions"),
     "function_call": ("chat", {"function_call": "auto"}, "function_call"),
-    "json_object": ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    "json_schema": ("completions", {"response_format": {"type": "json_schema",
-                                                        "json_schema": {"name": "x"}}},
-                    "response_format"),
+    "response_format xml": ("chat", {"response_format": {"type": "xml"}}, "response_format"),
+    "a json_schema without its schema object": (
+        "completions", {"response_format": {"type": "json_schema"}}, "response_format"),
     "suffix": ("completions", {"suffix": "end"}, "suffix"),
     "best_of > n": ("completions", {"best_of": 3}, "best_of"),
     "best_of < n": ("completions", {"best_of": 1, "n": 2}, "best_of"),
-    "an unknown field": ("completions", {"guided_json": {}}, "guided_json"),
+    "an unknown field": ("completions", {"guided_regex": "a+"}, "guided_regex"),
     "an unknown chat field": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
     "an unknown message field": (
         "chat", {"messages": [{"role": "user", "content": "x", "weight": 2}]}, "messages"),

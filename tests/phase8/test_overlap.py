@@ -7,10 +7,11 @@ the token of the step before it; the penalties take that token from the device a
 counts the placeholder (model_runner.py), logit bias needs no token at all, and logprobs come
 back with the token they describe. The oracle is the same engine with `async_scheduling=False`
 (CPU's default), on a workload that asks for everything at once (penalties greedy and seeded,
-logprobs, logit bias, min_tokens, stop tokens and stop strings, max_tokens 1) under preemption
-(recompute and swap), prefix caching and chunked prefill. The engine core runs in this process
-(an inproc ZeroMQ pair, stepped as its loop steps it) with the real output processor as its
-front end, so a stop string found there aborts a request whose next step is already running.
+logprobs, logit bias, min_tokens, stop tokens and stop strings, max_tokens 1, a JSON schema)
+under preemption (recompute and swap), prefix caching and chunked prefill. The engine core runs
+in this process (an inproc ZeroMQ pair, stepped as its loop steps it) with the real output
+processor as its front end, so a stop string found there aborts a request whose next step is
+already running.
 """
 
 import msgspec
@@ -18,7 +19,7 @@ import pytest
 import torch
 import zmq
 
-from phase8_serving import LLM, SamplingParams
+from phase8_serving import LLM, SamplingParams, StructuredOutputsParams
 from phase8_serving.core_messages import (
     AbortRequests,
     AddRequests,
@@ -50,8 +51,10 @@ PROMPTS = [
     SHARED + [1, 2, 3],  # the first prompt again, other params
     list(range(150, 159)),
     [72, 105, 33],
+    [90, 91, 92, 93],
 ]
 MAX_TOKENS = 12
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}
 EOS = 257  # <|im_end|>, the tiny checkpoint's EOS
 MIN_TOKENS = 4
 STOP_AT = 5  # a stopped request's stop names what it would produce here
@@ -98,6 +101,8 @@ def workload(stop_token: int, stop_string: str) -> list[SamplingParams]:
         greedy(stop=(stop_string,), logprobs=0),
         greedy(max_tokens=1, repetition_penalty=1.2, logprobs=1),
         seeded(4, repetition_penalty=0.8, min_tokens=2, logit_bias={65: 2.0, 66: -3.0}),
+        # its grammar reads the placeholder's token on the host before each step's mask
+        seeded(5, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
     ]
 
 
@@ -123,12 +128,12 @@ class SampleWatch:
         self.penalized_placeholders = 0
         sample = runner.sample
 
-        def watched(logits, seqs, placeholders=None):
+        def watched(logits, seqs, placeholders=None, previous=None):
             if placeholders is not None:
                 self.penalized_placeholders += sum(
                     s.num_output_placeholders > 0 and s.params.has_penalties for s in seqs
                 )
-            return sample(logits, seqs, placeholders)
+            return sample(logits, seqs, placeholders, previous)
 
         monkeypatch.setattr(runner, "sample", watched)
 
@@ -189,6 +194,7 @@ def test_offline_outputs_are_those_of_the_engine_without_overlap(spread_dir, mon
     assert reason == "stop" and tokens[-1] == stops[0] and len(tokens) <= STOP_AT + 1
     assert got[5][2] == "stop" and len(got[5][0]) < MAX_TOKENS  # the stop string ended it
     assert len(got[6][0]) == 1 and len(got[6][3]) == 1
+    assert got[8][1].startswith("{")  # the grammar's, cut by max_tokens or complete
 
 
 # -- the engine core, with the output processor as its front end ----------------------------------

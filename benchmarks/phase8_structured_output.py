@@ -1,0 +1,114 @@
+"""Phase 8 benchmark: what structured outputs cost a batch, against the same batch without them.
+
+A request under a grammar (structured_output.py) has its mask built on the host each step (its
+matcher reads the new token, the mask comes from a per-stack cache or a walk of the vocabulary's
+trie) and applied on the device. Measured, in one run on one engine, the same prompts, seeds,
+batch and max_tokens on every row:
+- `none`: no grammar (ignore_eos, so every request runs to max_tokens);
+- `json_object` and `schema` (an object of a string, an integer, a boolean and an array), each
+  twice: `cold`, the first batch of that grammar (the vocabulary's byte trie is built by the
+  engine's first grammar, and every mask is new), then `warm`, new seeds (new documents, the
+  caches kept).
+A random model rarely closes a string, so the grammar rows also run to (nearly) max_tokens; output
+tokens per second counts the tokens each row produced. On a GPU the model is Qwen3-0.6B's shape
+in bf16 with CUDA graphs and overlap scheduling; on a CPU a 2-layer model with Qwen3's vocabulary.
+Run: python -m benchmarks.phase8_structured_output [--quick] [--out DIR]
+"""
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import benchmark_parser, parse_args, write_result
+from phase8_serving import LLM, SamplingParams, StructuredOutputsParams
+from tests import assets
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "count": {"type": "integer"},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    },
+    "required": ["name", "count", "ok"],
+}
+CPU_MODEL = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                 max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
+
+
+def build_parser():
+    return benchmark_parser(__doc__)
+
+
+def main() -> None:
+    args = parse_args(build_parser())
+    gpu = torch.cuda.is_available()
+    batch, max_tokens = (64, 128) if gpu and not args.quick else (8, 32)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model(Path(tmp), gpu)
+        llm = LLM(str(model_dir), device="cuda" if gpu else "cpu",
+                  dtype="bfloat16" if gpu else "float32")  # fmt: skip
+        prompts = [f"Describe item {i} as JSON:" for i in range(batch)]
+        rows = {"none": run(llm, prompts, max_tokens, None, seed=0)}
+        for name, spec in (("json_object", {"json_object": True}), ("schema", {"json": SCHEMA})):
+            rows[f"{name} cold"] = run(llm, prompts, max_tokens, spec, seed=1000)
+            rows[f"{name} warm"] = run(llm, prompts, max_tokens, spec, seed=2000)
+    base = rows["none"]["tok_s"]
+    for name, row in rows.items():
+        row["vs_none"] = round(row["tok_s"] / base, 3)
+        print(f"{name:18s} {row['tok_s']:9.0f} tok/s  {row['vs_none']:.3f}x  "
+              f"valid {row['valid_json']}/{row['finished']}", flush=True)  # fmt: skip
+    device = torch.cuda.get_device_name() if gpu else "cpu"
+    payload = {"device": device, "batch": batch, "max_tokens": max_tokens, "schema": SCHEMA,
+               "rows": rows, "quick": args.quick}  # fmt: skip
+    print(f"wrote {write_result('phase8_structured_output', payload, args.out)}")
+
+
+def write_model(directory: Path, gpu: bool) -> Path:
+    if gpu:
+        from benchmarks.phase6_qwen3_gpu import save_checkpoint
+
+        return save_checkpoint(directory, assets.qwen3_tokenizer_dir())
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CPU_MODEL)).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(assets.qwen3_tokenizer_dir() / name, directory / name)
+    return directory
+
+
+def run(llm: LLM, prompts: list[str], max_tokens: int, spec: dict | None, seed: int) -> dict:
+    params = [
+        SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_tokens,
+                       ignore_eos=spec is None,
+                       structured_outputs=None if spec is None else StructuredOutputsParams(**spec))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    finished = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
+    valid = 0
+    for text in finished:
+        try:
+            json.loads(text)
+            valid += 1
+        except json.JSONDecodeError:
+            pass
+    return {"seconds": round(seconds, 4), "tokens": tokens, "tok_s": round(tokens / seconds, 1),
+            "finished": len(finished), "valid_json": valid}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,728 @@
+"""Structured outputs: a reply that is valid JSON (any object, or one a JSON schema describes), or
+exactly one of a list of choices, whatever the model would rather write.
+
+Problem: a program that asks a model for JSON must parse the reply. Even a good model sometimes
+adds prose around it, a trailing comment, a missing brace; a small one rarely writes valid JSON at
+all. Checking after the fact and retrying wastes whole generations.
+Idea: constrain the sampler. The request's grammar reads the reply byte by byte; before each
+sampling step, every token whose bytes the grammar cannot take next gets a logit of -inf, so the
+sampler can only pick tokens that keep the reply a prefix of something valid, and EOS only once
+it is complete (vLLM does this with xgrammar; this file is the same idea, small enough to read).
+- The grammar is a pushdown automaton over bytes. Its state is a stack of frames, the top one
+  what comes next: a literal's remaining bytes, a string's body, a number, "the rest of this
+  object". Where the grammar allows alternatives (anyOf, an optional property, a number that may
+  end or go on) it keeps every stack that is still possible: a state is a set of stacks, as in a
+  regular expression's NFA. Frames are tuples, so states hash and each step is memoized.
+- A token is allowed when its bytes, fed one by one, leave some stack alive. Walking a trie of
+  the vocabulary does all tokens at once: a prefix the grammar rejects prunes every token under
+  it. Masks are cached per stack; a state's mask is the union of its stacks'.
+- Inside a string almost every token is allowed, and a walk of the whole trie would visit
+  ~150k tokens. But a token of plain string bytes (no quote, backslash or control byte; whole
+  UTF-8 characters) leaves a string's stack as it was, so those come from one precomputed mask,
+  and only the tails of the others (from their first quote, backslash, ...) are walked.
+
+What it produces: no whitespace but an optional single space after ':' and ',' (a model that
+likes to pad JSON with newlines cannot loop on them); an object's properties in the schema's
+order, each required one present, optional ones possibly left out, no others; strings of valid
+UTF-8 with JSON's escapes. JSON Schema keywords that constrain what this grammar does not check
+(pattern, minLength, minimum, ...) are refused with an error naming them, never silently ignored;
+annotations (title, description, default, format, ...) are ignored, as the standard allows.
+"""
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# Keywords that describe without constraining (JSON Schema 2020-12 treats `format` so too).
+ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+    "readOnly", "writeOnly", "format", "contentEncoding", "contentMediaType", "discriminator",
+    "$defs", "definitions",
+})  # fmt: skip
+SUPPORTED = frozenset({
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items",
+    "minItems", "maxItems", "anyOf", "oneOf", "allOf", "$ref",
+})  # fmt: skip
+MAX_SCHEMA_NODES = 10_000  # a schema is compiled per request: bound the work a client can ask
+MAX_ITEMS_BOUND = 1_000  # minItems/maxItems are counted in the state; bound how far
+MAX_CHOICES = 1_000
+
+
+class SchemaError(ValueError):
+    """A schema (or a choice list) this module cannot, or will not, turn into a grammar."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What a value may be: the schema compiled into nodes (compared by identity in the frames).
+
+
+class Node:
+    __slots__ = ()
+
+
+class Str(Node):
+    __slots__ = ()
+
+
+class Num(Node):
+    __slots__ = ("integer",)
+
+    def __init__(self, integer: bool):
+        self.integer = integer
+
+
+class Literal(Node):
+    """One of a few exact byte strings: true, false, null, an enum, a const, a choice."""
+
+    __slots__ = ("options",)
+
+    def __init__(self, options: Iterable[bytes]):
+        self.options = tuple(dict.fromkeys(options))
+
+
+class AnyOf(Node):
+    __slots__ = ("options",)
+
+    def __init__(self, options: list[Node]):
+        self.options = tuple(options)
+
+
+class Arr(Node):
+    __slots__ = ("item", "min_items", "max_items")
+
+    def __init__(self, item: Node, min_items: int = 0, max_items: int | None = None):
+        self.item, self.min_items, self.max_items = item, min_items, max_items
+
+
+class Obj(Node):
+    """An object with known properties, written in order: (key bytes, node, required)."""
+
+    __slots__ = ("props",)
+
+    def __init__(self, props: list[tuple[bytes, Node, bool]]):
+        self.props = tuple(props)
+
+
+class FreeObj(Node):
+    """An object with any keys, each value a `value`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Node | None):
+        self.value = value  # None: any JSON value (resolved to ANY when expanded)
+
+
+class Ref(Node):
+    """A `$ref`, resolved after compiling (it may point at an ancestor: recursive schemas)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self):
+        self.target: Node | None = None
+
+
+STR, INT, NUM = Str(), Num(integer=True), Num(integer=False)
+TRUE_FALSE, NULL = Literal([b"true", b"false"]), Literal([b"null"])
+ANY = AnyOf([])  # filled below: any JSON value, objects and arrays of any values included
+ANY_OBJ, ANY_ARR = FreeObj(None), Arr(ANY)
+ANY.options = (STR, NUM, ANY_OBJ, ANY_ARR, TRUE_FALSE, NULL)
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def compile_json_schema(schema: Any) -> Node:
+    """A JSON schema (a dict, or True for anything) -> its grammar's root node, or SchemaError."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"the JSON schema is not valid JSON: {e}") from None
+    return _Compiler(schema).compile_root()
+
+
+def compile_choice(choices: Any) -> Node:
+    """A list of strings -> a grammar whose replies are exactly one of them (their raw text)."""
+    if not isinstance(choices, list | tuple) or not choices:
+        raise SchemaError(f"choice must be a non-empty list of strings, got {choices!r}")
+    if len(choices) > MAX_CHOICES:
+        raise SchemaError(f"choice holds {len(choices)} strings; at most {MAX_CHOICES}")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise SchemaError("choice must hold non-empty strings")
+    return Literal(c.encode() for c in choices)
+
+
+class _Compiler:
+    def __init__(self, root: Any):
+        self.root = root
+        self.refs: dict[str, Ref] = {}
+        self.num_nodes = 0
+
+    def compile_root(self) -> Node:
+        node = self.compile(self.root, "schema")
+        for pointer, ref in self.refs.items():
+            ref.target = self.compile(self._resolve(pointer), pointer)
+        return node
+
+    def _resolve(self, pointer: str) -> Any:
+        if pointer == "#":
+            return self.root
+        if not pointer.startswith("#/"):
+            raise SchemaError(f"$ref {pointer!r}: only references inside the schema ('#/...')")
+        target = self.root
+        for part in pointer[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise SchemaError(f"$ref {pointer!r} points at nothing in the schema")
+            target = target[part]
+        return target
+
+    def compile(self, schema: Any, where: str) -> Node:
+        self.num_nodes += 1
+        if self.num_nodes > MAX_SCHEMA_NODES:
+            raise SchemaError(f"the JSON schema is too large (over {MAX_SCHEMA_NODES} subschemas)")
+        if schema is True or schema == {}:
+            return ANY
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{where} must be an object (or true), got {schema!r}")
+        unknown = sorted(set(schema) - SUPPORTED - ANNOTATIONS)
+        if unknown:
+            raise SchemaError(
+                f"{where}: JSON Schema keyword(s) {', '.join(map(repr, unknown))} not supported "
+                f"(supported: {', '.join(sorted(SUPPORTED))})"
+            )
+        if "$ref" in schema:
+            pointer = schema["$ref"]
+            if not isinstance(pointer, str):
+                raise SchemaError(f"{where}: $ref must be a string")
+            if len(schema.keys() - ANNOTATIONS) > 1:
+                raise SchemaError(f"{where}: $ref beside other keywords is not supported")
+            return self.refs.setdefault(pointer, Ref())
+        if "const" in schema:
+            return Literal([self._literal(schema["const"], where)])
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError(f"{where}: enum must be a non-empty list")
+            return Literal(self._literal(v, where) for v in values)
+        for key in ("anyOf", "oneOf", "allOf"):
+            if key in schema:
+                options = schema[key]
+                if not isinstance(options, list) or not options:
+                    raise SchemaError(f"{where}: {key} must be a non-empty list of schemas")
+                if key == "allOf" and len(options) > 1:
+                    raise SchemaError(f"{where}: allOf of more than one schema is not supported")
+                rest = {k: v for k, v in schema.items() if k != key and k not in ANNOTATIONS}
+                # oneOf is generated as anyOf: the options rarely overlap in practice
+                nodes = [
+                    self.compile({**rest, **o} if rest and isinstance(o, dict) else o,
+                                 f"{where}.{key}[{i}]")
+                    for i, o in enumerate(options)
+                ]  # fmt: skip
+                return nodes[0] if len(nodes) == 1 else AnyOf(nodes)
+        types = schema.get("type")
+        if types is None:  # what the other keywords imply, else any value
+            if "properties" in schema or "additionalProperties" in schema:
+                types = "object"
+            elif "items" in schema:
+                types = "array"
+            else:
+                return ANY
+        if isinstance(types, list):
+            if not types:
+                raise SchemaError(f"{where}: type must not be an empty list")
+            nodes = [self._typed(schema, t, where) for t in types]
+            return nodes[0] if len(nodes) == 1 else AnyOf(nodes)
+        return self._typed(schema, types, where)
+
+    def _typed(self, schema: dict, kind: Any, where: str) -> Node:
+        simple = {"string": STR, "integer": INT, "number": NUM, "boolean": TRUE_FALSE,
+                  "null": NULL}  # fmt: skip
+        if kind in simple:
+            return simple[kind]
+        if kind == "array":
+            item = self.compile(schema.get("items", True), f"{where}.items")
+            low = self._count(schema, "minItems", 0, where)
+            high = self._count(schema, "maxItems", None, where)
+            if high is not None and high < low:
+                raise SchemaError(f"{where}: maxItems ({high}) is below minItems ({low})")
+            return Arr(item, low, high)
+        if kind == "object":
+            return self._object(schema, where)
+        raise SchemaError(f"{where}: unknown type {kind!r}")
+
+    def _count(self, schema: dict, key: str, default: int | None, where: str) -> int | None:
+        value = schema.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value:
+            raise SchemaError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+        if value > MAX_ITEMS_BOUND:
+            raise SchemaError(f"{where}: {key} above {MAX_ITEMS_BOUND} is not supported")
+        return value
+
+    def _object(self, schema: dict, where: str) -> Node:
+        props = schema.get("properties", {})
+        required = schema.get("required", [])
+        if not isinstance(props, dict):
+            raise SchemaError(f"{where}: properties must be an object")
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{where}: required must be a list of property names")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise SchemaError(f"{where}: required names properties it does not define: {missing}")
+        extra = schema.get("additionalProperties", True)
+        if not props:
+            if extra is False:
+                return Literal([b"{}"])
+            value = None if extra is True else self.compile(extra, f"{where}.additionalProperties")
+            return FreeObj(value)
+        nodes = [(_dump(name), self.compile(sub, f"{where}.properties.{name}"), name in required)
+                 for name, sub in props.items()]  # fmt: skip
+        return Obj(nodes)
+
+    def _literal(self, value: Any, where: str) -> bytes:
+        try:
+            return _dump(value)
+        except ValueError:
+            raise SchemaError(f"{where}: {value!r} is not a JSON value") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The automaton. A stack is a tuple of frames, its top the last; a state is a frozenset of
+# stacks; the empty stack means the value is complete. Frames:
+#   ("v", node)             a value of `node` comes next (expanded before any byte is read)
+#   ("l", bytes, i)         a literal, bytes[i:] still to read
+#   ("s", mode, pend, lo, hi)  a string's body: mode 0 plain, 1 after '\', 2-5 reading \uXXXX's
+#                           hex digits; pend UTF-8 continuation bytes still due, the next in
+#                           [lo, hi]
+#   ("n", integer, phase)   a number (phases below)
+#   ("a", node, count)      an array after `count` items: ',' and another, or ']'
+#   ("o", node, index, wrote)  an object whose properties before `index` are written
+#   ("f", node, wrote)      a free object: ',' and another member, or '}'
+#   ("w",)                  an optional space
+
+STRING_BODY = ("s", 0, 0, 0x80, 0xBF)
+SPACE = ("w",)
+DIGITS = frozenset(b"0123456789")
+HEX = frozenset(b"0123456789abcdefABCDEF")
+ESCAPES = frozenset(b'"\\/bfnrt')
+# number phases: 0 start, 1 after '-', 2 a leading 0, 3 integer digits, 4 after '.', 5 fraction
+# digits, 6 after 'e', 7 after the exponent's sign, 8 exponent digits
+NUMBER_ENDS = frozenset({2, 3, 5, 8})
+
+
+def _lit(text: bytes) -> tuple:
+    return ("l", text, 0)
+
+
+def _expand(stack: tuple, out: set, seen: set) -> None:
+    """Adds to `out` every stack `stack` can be without reading a byte whose top reads one (or
+    that is empty: complete). `seen` stops a schema that refers to itself without consuming."""
+    if stack in seen:
+        return
+    seen.add(stack)
+    if not stack:
+        out.add(stack)
+        return
+    top, rest = stack[-1], stack[:-1]
+    kind = top[0]
+    if kind in "ls":
+        out.add(stack)
+    elif kind == "n":
+        out.add(stack)
+        if top[2] in NUMBER_ENDS:
+            _expand(rest, out, seen)
+    elif kind == "w":
+        _expand(rest, out, seen)
+        out.add(rest + (_lit(b" "),))
+    elif kind == "v":
+        _expand_value(top[1], rest, out, seen)
+    elif kind == "a":
+        _, node, count = top
+        if count >= node.min_items:
+            out.add(rest + (_lit(b"]"),))
+        if node.max_items is None or count < node.max_items:
+            _expand(rest + (("a", node, count + 1), ("v", node.item), SPACE, _lit(b",")), out,
+                    seen)  # fmt: skip
+    elif kind == "o":
+        _, node, index, wrote = top
+        for j in range(index, len(node.props)):
+            key, value, required = node.props[j]
+            member = rest + (("o", node, j + 1, True), ("v", value), SPACE, _lit(key + b":"))
+            _expand(member + (SPACE, _lit(b",")) if wrote else member, out, seen)
+            if required:
+                break
+        else:
+            out.add(rest + (_lit(b"}"),))
+    elif kind == "f":
+        _, node, wrote = top
+        out.add(rest + (_lit(b"}"),))
+        member = rest + (("f", node, True), ("v", node.value or ANY), SPACE, _lit(b":"),
+                         STRING_BODY, _lit(b'"'))  # fmt: skip
+        out.add(member + (SPACE, _lit(b",")) if wrote else member)
+    else:
+        raise AssertionError(f"unknown frame {top!r}")
+
+
+def _expand_value(node: Node, rest: tuple, out: set, seen: set) -> None:
+    if isinstance(node, Str):
+        out.add(rest + (STRING_BODY, _lit(b'"')))
+    elif isinstance(node, Num):
+        out.add(rest + (("n", node.integer, 0),))
+    elif isinstance(node, Literal):
+        for option in node.options:
+            out.add(rest + (_lit(option),))
+    elif isinstance(node, AnyOf):
+        for option in node.options:
+            _expand(rest + (("v", option),), out, seen)
+    elif isinstance(node, Ref):
+        _expand(rest + (("v", node.target),), out, seen)
+    elif isinstance(node, Arr):
+        if node.min_items == 0:
+            out.add(rest + (_lit(b"[]"),))
+        if node.max_items != 0:
+            _expand(rest + (("a", node, 1), ("v", node.item), _lit(b"[")), out, seen)
+    elif isinstance(node, Obj):
+        out.add(rest + (("o", node, 0, False), _lit(b"{")))
+    elif isinstance(node, FreeObj):
+        out.add(rest + (("f", node, False), _lit(b"{")))
+    else:
+        raise AssertionError(f"unknown node {node!r}")
+
+
+def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
+    """A multi-byte character's first byte -> (continuation bytes, the next's range); None if it
+    cannot start one (ASCII is handled by the caller)."""
+    if 0xC2 <= byte <= 0xDF:
+        return 1, 0x80, 0xBF
+    if byte == 0xE0:
+        return 2, 0xA0, 0xBF  # no overlong forms
+    if 0xE1 <= byte <= 0xEC or 0xEE <= byte <= 0xEF:
+        return 2, 0x80, 0xBF
+    if byte == 0xED:
+        return 2, 0x80, 0x9F  # no surrogates
+    if byte == 0xF0:
+        return 3, 0x90, 0xBF
+    if 0xF1 <= byte <= 0xF3:
+        return 3, 0x80, 0xBF
+    if byte == 0xF4:
+        return 3, 0x80, 0x8F  # nothing past U+10FFFF
+    return None
+
+
+def _step_string(top: tuple, rest: tuple, byte: int) -> tuple | None:
+    _, mode, pend, lo, hi = top
+    if pend:
+        return rest + (("s", 0, pend - 1, 0x80, 0xBF),) if lo <= byte <= hi else None
+    if mode == 1:
+        if byte in ESCAPES:
+            return rest + (STRING_BODY,)
+        return rest + (("s", 2, 0, 0x80, 0xBF),) if byte == ord("u") else None
+    if mode >= 2:
+        if byte not in HEX:
+            return None
+        return rest + ((STRING_BODY if mode == 5 else ("s", mode + 1, 0, 0x80, 0xBF)),)
+    if byte == ord('"'):
+        return rest
+    if byte == ord("\\"):
+        return rest + (("s", 1, 0, 0x80, 0xBF),)
+    if byte < 0x20:
+        return None  # control characters must be escaped
+    if byte < 0x80:
+        return rest + (STRING_BODY,)
+    lead = _utf8_lead(byte)
+    return None if lead is None else rest + (("s", 0, *lead),)
+
+
+def _step_number(top: tuple, rest: tuple, byte: int) -> tuple | None:
+    _, integer, phase = top
+    digit = byte in DIGITS
+    nxt = None
+    if phase == 0:
+        nxt = 1 if byte == ord("-") else 2 if byte == ord("0") else 3 if digit else None
+    elif phase == 1:
+        nxt = 2 if byte == ord("0") else 3 if digit else None
+    elif phase in (2, 3):
+        if digit and phase == 3:
+            nxt = 3
+        elif not integer:
+            nxt = 4 if byte == ord(".") else 6 if byte in b"eE" else None
+    elif phase in (4, 5):
+        nxt = 5 if digit else 6 if phase == 5 and byte in b"eE" else None
+    elif phase == 6:
+        nxt = 7 if byte in b"+-" else 8 if digit else None
+    elif phase in (7, 8):
+        nxt = 8 if digit else None
+    return None if nxt is None else rest + (("n", integer, nxt),)
+
+
+def _step(stack: tuple, byte: int) -> tuple | None:
+    """One byte read by a stack whose top reads bytes -> the stack after it (None: rejected)."""
+    if not stack:
+        return None  # complete: nothing may follow
+    top, rest = stack[-1], stack[:-1]
+    kind = top[0]
+    if kind == "l":
+        _, text, i = top
+        if text[i] != byte:
+            return None
+        return rest if i + 1 == len(text) else rest + (("l", text, i + 1),)
+    if kind == "s":
+        return _step_string(top, rest, byte)
+    return _step_number(top, rest, byte)
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary, as bytes and as tries to walk.
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes each byte as a printable character; this undoes it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _plain_split(data: bytes) -> int:
+    """How many leading bytes of `data` a JSON string's body takes as they are: no quote,
+    backslash or control byte, whole UTF-8 characters only."""
+    i, n = 0, len(data)
+    while i < n:
+        b = data[i]
+        if b < 0x80:
+            if b < 0x20 or b in (0x22, 0x5C):
+                return i
+            i += 1
+            continue
+        lead = _utf8_lead(b)
+        if lead is None or i + lead[0] >= n:  # not a character, or one the next token ends
+            return i
+        pend, lo, hi = lead
+        if not lo <= data[i + 1] <= hi or any(
+            c < 0x80 or c > 0xBF for c in data[i + 2 : i + 1 + pend]
+        ):
+            return i
+        i += 1 + pend
+    return n
+
+
+class _Trie:
+    """Tokens sharing their first `depth` bytes; children are built on first visit, so a walk
+    that a grammar prunes early never builds most of the trie."""
+
+    __slots__ = ("depth", "items", "ending", "_children")
+
+    def __init__(self, items: list[tuple[bytes, int]], depth: int):
+        self.depth = depth
+        self.items = items
+        self.ending = [t for data, t in items if len(data) == depth]
+        self._children: dict[int, _Trie] | None = None
+
+    def children(self) -> dict[int, "_Trie"]:
+        if self._children is None:
+            groups: dict[int, list] = {}
+            for data, t in self.items:
+                if len(data) > self.depth:
+                    groups.setdefault(data[self.depth], []).append((data, t))
+            self._children = {b: _Trie(g, self.depth + 1) for b, g in groups.items()}
+            self.items = []  # the children hold them now
+        return self._children
+
+
+def check_byte_level(tokenizer) -> None:
+    """Raises SchemaError unless the tokenizer is byte-level BPE, whose tokens map to bytes."""
+    if type(tokenizer.backend.decoder).__name__ != "ByteLevel":
+        raise SchemaError(
+            "structured outputs need a byte-level BPE tokenizer (GPT-2's, Qwen's); this model's "
+            f"decoder is {type(tokenizer.backend.decoder).__name__}"
+        )
+
+
+class Vocabulary:
+    """A tokenizer's tokens as bytes, for the grammar: special tokens never match (EOS is
+    allowed separately, once the value is complete)."""
+
+    def __init__(self, token_bytes: dict[int, bytes], vocab_size: int):
+        self.vocab_size = vocab_size  # the LM head's width: a mask covers it all
+        self.token_bytes = token_bytes
+        items = [(data, t) for t, data in token_bytes.items() if data and t < vocab_size]
+        self.root = _Trie(items, 0)
+        # in a string: tokens of plain bytes keep its stack as it is; the rest, walked from
+        # their first other byte (their tail)
+        self.plain = np.zeros(vocab_size, dtype=bool)
+        tails = []
+        for data, t in items:
+            cut = _plain_split(data)
+            if cut == len(data):
+                self.plain[t] = True
+            else:
+                tails.append((data[cut:], t))
+        self.tails = _Trie(tails, 0)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int) -> "Vocabulary":
+        check_byte_level(tokenizer)
+        backend = tokenizer.backend
+        to_byte = _byte_decoder()
+        special = set(backend.get_added_tokens_decoder())
+        token_bytes = {}
+        for text, t in backend.get_vocab(with_added_tokens=False).items():
+            if t in special:
+                continue
+            try:
+                token_bytes[t] = bytes(to_byte[c] for c in text)
+            except KeyError:
+                continue  # not a byte-level token: never generated under a grammar
+        return cls(token_bytes, vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# A compiled grammar (shared by every request with the same schema) and one request's matcher.
+
+MAX_CACHED_MASKS = 4096  # per grammar; packed, a 152k vocabulary's mask is 19 KB
+
+
+class Grammar:
+    def __init__(self, root: Node, vocab: Vocabulary):
+        self.vocab = vocab
+        start: set = set()
+        _expand((("v", root),), start, set())
+        self.start = frozenset(start)
+        self._advance: dict[tuple[frozenset, int], frozenset] = {}
+        self._masks: dict[tuple, np.ndarray] = {}  # stack -> packed bits of its allowed tokens
+
+    def advance(self, state: frozenset, byte: int) -> frozenset:
+        key = (state, byte)
+        nxt = self._advance.get(key)
+        if nxt is None:
+            out: set = set()
+            for stack in state:
+                after = _step(stack, byte)
+                if after is not None:
+                    _expand(after, out, set())
+            nxt = self._advance[key] = frozenset(out)
+        return nxt
+
+    def advance_token(self, state: frozenset, token: int) -> frozenset:
+        for byte in self.vocab.token_bytes.get(token, b""):
+            state = self.advance(state, byte)
+            if not state:
+                break
+        return state
+
+    def mask(self, state: frozenset) -> np.ndarray:
+        """Packed bits (little-endian within a byte) of the tokens `state` may read next."""
+        masks = [self._stack_mask(s) for s in state if s]
+        if not masks:
+            return np.zeros(-(-self.vocab.vocab_size // 8), dtype=np.uint8)
+        return masks[0] if len(masks) == 1 else np.bitwise_or.reduce(masks)
+
+    def _stack_mask(self, stack: tuple) -> np.ndarray:
+        packed = self._masks.get(stack)
+        if packed is None:
+            allowed = np.zeros(self.vocab.vocab_size, dtype=bool)
+            if stack[-1] == STRING_BODY:
+                allowed |= self.vocab.plain
+                self._walk(self.vocab.tails, frozenset([stack]), allowed)
+            else:
+                self._walk(self.vocab.root, frozenset([stack]), allowed)
+            packed = np.packbits(allowed, bitorder="little")
+            if len(self._masks) >= MAX_CACHED_MASKS:
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[stack] = packed
+        return packed
+
+    def _walk(self, node: _Trie, state: frozenset, allowed: np.ndarray) -> None:
+        for byte, child in node.children().items():
+            nxt = self.advance(state, byte)
+            if nxt:
+                if child.ending:
+                    allowed[child.ending] = True
+                self._walk(child, nxt, allowed)
+
+
+class GrammarMatcher:
+    """One request's place in its grammar: the output tokens read so far."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar = grammar
+        self.state = grammar.start
+        self.num_read = 0  # output tokens read
+
+    @property
+    def is_complete(self) -> bool:
+        return () in self.state
+
+    def read(self, tokens: list[int], stop_tokens: frozenset[int]) -> None:
+        """Reads the output tokens past `num_read`. After a complete value only stop tokens
+        (EOS) come; any token the grammar rejects is a bug in the masking (AssertionError)."""
+        for token in tokens[self.num_read :]:
+            if token in stop_tokens and self.is_complete:
+                pass  # the reply ends here (or, under ignore_eos, goes on with stop tokens)
+            else:
+                state = self.grammar.advance_token(self.state, token)
+                assert state, f"token {token} is outside the grammar: the mask let it through"
+                self.state = state
+            self.num_read += 1
+
+    def mask(self, stop_tokens: Iterable[int]) -> np.ndarray:
+        packed = self.grammar.mask(self.state)
+        if self.is_complete:
+            packed = packed.copy()
+            for t in stop_tokens:
+                if t < self.grammar.vocab.vocab_size:
+                    packed[t >> 3] |= 1 << (t & 7)
+        return packed
+
+
+@dataclass(frozen=True)
+class GrammarKey:
+    kind: str  # "json", "json_object" or "choice"
+    spec: str  # the schema or the choices, as canonical JSON
+
+
+def compile_spec(kind: str, spec: Any) -> Node:
+    if kind == "json":
+        return compile_json_schema(spec)
+    if kind == "json_object":
+        return ANY_OBJ
+    if kind == "choice":
+        return compile_choice(spec)
+    raise SchemaError(f"unknown structured output kind {kind!r}")
+
+
+class GrammarCache:
+    """Compiled grammars by request spec, so requests with the same schema share masks."""
+
+    MAX_GRAMMARS = 64
+
+    def __init__(self, vocab_factory):
+        self._vocab_factory = vocab_factory  # built on first use: ~1-2 s for 150k tokens
+        self._vocab: Vocabulary | None = None
+        self._grammars: dict[GrammarKey, Grammar] = {}
+
+    def matcher(self, kind: str, spec: Any) -> GrammarMatcher:
+        key = GrammarKey(kind, json.dumps(spec, sort_keys=True))
+        grammar = self._grammars.get(key)
+        if grammar is None:
+            if self._vocab is None:
+                self._vocab = self._vocab_factory()
+            if len(self._grammars) >= self.MAX_GRAMMARS:
+                self._grammars.pop(next(iter(self._grammars)))
+            grammar = self._grammars[key] = Grammar(compile_spec(kind, spec), self._vocab)
+        return GrammarMatcher(grammar)
+
+
+def unpack_masks(packed: np.ndarray, vocab_size: int) -> np.ndarray:
+    return np.unpackbits(packed, axis=-1, count=vocab_size, bitorder="little").astype(bool)

@@ -1,0 +1,406 @@
+"""Structured outputs: the grammar's masks, the engine's sampling under them, the server's fields.
+
+Oracles: brute force (every token of Qwen3's 151k vocabulary fed to the grammar on its own, the
+mask must agree), `json.loads` and the schema itself, and a random model: without the grammar its
+replies are never JSON (checked), so a reply that parses is the grammar's doing. Seeded requests
+sample the same tokens with overlap scheduling on (the grammar then reads the previous step's
+token while this step's forward runs) and off.
+"""
+
+import json
+import random
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from phase8_serving import LLM, SamplingParams, StructuredOutputsParams
+from phase8_serving import structured_output as so
+from phase8_serving.tokenizer import Tokenizer
+from tests import assets
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", 3, None]}, "maxItems": 3},
+        "ok": {"type": ["boolean", "null"]},
+    },
+    "required": ["name", "ok"],
+}
+# Every value of this one is bounded: a random model finishes it in a few dozen tokens.
+SHORT = {
+    "type": "object",
+    "properties": {
+        "pick": {"enum": ["x", "yz"]},
+        "flag": {"type": "boolean"},
+        "rest": {"type": "array", "items": {"type": "null"}, "maxItems": 2},
+        "maybe": {"const": 7},
+    },
+    "required": ["pick", "flag", "rest"],
+}
+
+
+def conforms(value, schema) -> bool:
+    """Whether `value` matches the small schemas these tests use."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    if "const" in schema:
+        return value == schema["const"]
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    python = {"string": str, "integer": int, "number": int | float, "boolean": bool,
+              "null": type(None), "object": dict, "array": list}  # fmt: skip
+    if not any(isinstance(value, python[k]) and not (k in ("integer", "number")
+               and isinstance(value, bool)) for k in kinds):  # fmt: skip
+        return False
+    if isinstance(value, dict):
+        props = schema["properties"]
+        keys = list(value)
+        return (set(schema.get("required", ())) <= set(keys)
+                and keys == [k for k in props if k in value]  # schema order, no others
+                and all(conforms(value[k], props[k]) for k in keys))  # fmt: skip
+    if isinstance(value, list):
+        return len(value) <= schema.get("maxItems", 10**9) and all(
+            conforms(v, schema["items"]) for v in value
+        )
+    return True
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    return Tokenizer.from_dir(assets.qwen3_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def qwen3_vocab(qwen3_tokenizer):
+    return so.Vocabulary.from_tokenizer(qwen3_tokenizer, 151936)
+
+
+# -- the grammar -------------------------------------------------------------------------------
+
+
+def feed(grammar: so.Grammar, data: bytes) -> frozenset:
+    state = grammar.start
+    for byte in data:
+        state = grammar.advance(state, byte)
+    return state
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ('{"name":"Al","ok":true}', True),
+        ('{"name": "\\u00e9\\n", "age": -0, "score": 1.5e-3, "ok": null}', True),
+        ('{"name":"x","tags":["a",3,null],"ok":false}', True),
+        ('{"name":"日本","ok":true}', True),
+        ('{"ok":true,"name":"x"}', False),  # out of the schema's order
+        ('{"name":"x"}', False),  # a required property missing
+        ('{"name":"x","ok":true,"extra":1}', False),  # a property the schema does not name
+        ('{"name":"x","age":1.5,"ok":true}', False),  # not an integer
+        ('{"name":"x","age":01,"ok":true}', False),  # a leading zero
+        ('{"name":"x","tags":["a","a","a","a"],"ok":true}', False),  # maxItems
+        ('{"name":"x","tags":["c"],"ok":true}', False),  # not in the enum
+        ('{"name":"a\tb","ok":true}', False),  # a raw control character
+        ('{"name":"\\x","ok":true}', False),  # not an escape
+        ('{ "name":"x","ok":true}', False),  # a space where none may go
+        ('{"name":"x",  "ok":true}', False),  # two spaces
+    ],
+)
+def test_the_grammar_takes_exactly_the_schemas_documents(text, ok):
+    grammar = so.Grammar(so.compile_json_schema(PERSON), so.Vocabulary({}, 8))
+    state = feed(grammar, text.encode())
+    assert (() in state) is ok, state
+    if ok:
+        json.loads(text)
+
+
+def test_utf8_is_checked_byte_by_byte():
+    grammar = so.Grammar(so.compile_json_schema({"type": "string"}), so.Vocabulary({}, 8))
+    for good in ("é", "日", "😀"):
+        assert () in feed(grammar, f'"{good}"'.encode())
+    for bad in (b'"\xc3"', b'"\x80"', b'"\xed\xa0\x80"', b'"\xf5\x80\x80\x80"', b'"\xe0\x80\x80"'):
+        assert () not in feed(grammar, bad), bad  # cut, stray, surrogate, too large, overlong
+
+
+def test_refs_recursion_any_of_and_choices():
+    tree = {"$defs": {"node": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["v"]}}, "$ref": "#/$defs/node"}  # fmt: skip
+    grammar = so.Grammar(so.compile_json_schema(tree), so.Vocabulary({}, 8))
+    assert () in feed(grammar, b'{"v":1,"kids":[{"v":2,"kids":[{"v":3}]},{"v":4}]}')
+    assert () not in feed(grammar, b'{"v":1,"kids":[{"kids":[]}]}')
+    choice = so.Grammar(so.compile_choice(["yes", "yes please", "no"]), so.Vocabulary({}, 8))
+    for text in ("yes", "yes please", "no"):
+        assert () in feed(choice, text.encode())
+    assert feed(choice, b"yes p") and () not in feed(choice, b"yes p")
+    assert not feed(choice, b"nope")
+    loose = so.Grammar(so.ANY_OBJ, so.Vocabulary({}, 8))
+    assert () in feed(loose, b'{"a":[1,{"b":null},"c"],"d":{}}')
+    assert not feed(loose, b"[1]")  # json_object: an object at the top
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ({"type": "string", "pattern": "a+"}, "'pattern'"),
+        ({"type": "integer", "minimum": 0}, "'minimum'"),
+        ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}, "maxLength"),
+        ({"type": "date"}, "unknown type 'date'"),
+        ({"$ref": "#/$defs/missing"}, "points at nothing"),
+        ({"$ref": "http://example.com/s.json"}, "only references inside"),
+        ({"type": "object", "required": ["a"]}, "does not define: ['a']"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
+        ({"type": "array", "minItems": 3, "maxItems": 1}, "below minItems"),
+        ({"enum": [float("nan")]}, "not a JSON value"),
+        ("{not json", "not valid JSON"),
+        (7, "must be an object"),
+    ],
+)
+def test_schemas_it_cannot_enforce_are_refused_by_name(schema, words):
+    with pytest.raises(so.SchemaError) as raised:
+        so.compile_json_schema(schema)
+    assert words in str(raised.value)
+
+
+def brute_force_mask(grammar: so.Grammar, state: frozenset) -> np.ndarray:
+    allowed = np.zeros(grammar.vocab.vocab_size, dtype=bool)
+    for token in grammar.vocab.token_bytes:
+        if grammar.advance_token(state, token):
+            allowed[token] = True
+    return allowed
+
+
+@pytest.mark.parametrize("kind", ["schema", "json_object"])
+def test_masks_equal_brute_force_over_qwen3s_vocabulary(kind, qwen3_vocab):
+    """Random walks through the grammar (each step a token its mask allows), the mask checked
+    against feeding every one of the 151,643 tokens on its own every few steps: the trie walk,
+    the plain-string shortcut and the caches change nothing."""
+    node = so.compile_json_schema(PERSON) if kind == "schema" else so.ANY_OBJ
+    grammar = so.Grammar(node, qwen3_vocab)
+    rng = random.Random(0)
+    checked = 0
+    for walk in range(3):
+        matcher = so.GrammarMatcher(grammar)
+        tokens = []
+        for step in range(60):
+            allowed = so.unpack_masks(matcher.mask(()), qwen3_vocab.vocab_size)
+            if step % 12 == walk:
+                assert (allowed == brute_force_mask(grammar, matcher.state)).all()
+                checked += 1
+            if not allowed.any():
+                break
+            tokens.append(int(rng.choice(np.flatnonzero(allowed))))
+            matcher.read(tokens, frozenset())
+    assert checked >= 9
+
+
+def test_a_complete_value_allows_only_stop_tokens(qwen3_vocab):
+    grammar = so.Grammar(so.compile_choice(["yes"]), qwen3_vocab)
+    matcher = so.GrammarMatcher(grammar)
+    yes = next(t for t, b in qwen3_vocab.token_bytes.items() if b == b"yes")
+    matcher.read([yes], frozenset({151645}))
+    allowed = np.flatnonzero(so.unpack_masks(matcher.mask([151645, 7]), 151936))
+    assert allowed.tolist() == [7, 151645]
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_vocab_dir(tmp_path_factory):
+    """A random 1-layer Qwen3 with Qwen3's tokenizer: real BPE tokens, random choices."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    directory = tmp_path_factory.mktemp("qwen3-vocab-structured")
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=True)  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(assets.qwen3_tokenizer_dir() / name, directory / name)
+    return directory
+
+
+def structured(seed: int, **spec) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                          structured_outputs=StructuredOutputsParams(**spec))  # fmt: skip
+
+
+def test_random_model_writes_the_schema_only_under_the_grammar(qwen3_vocab_dir):
+    """One batch mixing grammars (a schema, any object, choices) with a request that has none;
+    the same seeded batch with overlap scheduling on and off samples the same tokens."""
+    plain = SamplingParams(temperature=0.0, max_tokens=12)
+    params = [structured(i, json=SHORT) for i in range(4)] + [
+        structured(10, json_object=True),
+        structured(11, choice=["yes", "no", "yes, with a comma"]),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=40),  # the same model, no grammar
+        plain,
+    ]
+    texts = {}
+    for overlap in (False, True):
+        llm = LLM(qwen3_vocab_dir, device="cpu", async_scheduling=overlap, max_num_seqs=8)
+        outs = [o.outputs[0] for o in llm.generate(["Answer:"] * len(params), params,
+                                                   use_tqdm=False)]  # fmt: skip
+        texts[overlap] = [o.text for o in outs]
+        for out in outs[:4]:
+            assert out.finish_reason == "stop", out.text
+            assert conforms(json.loads(out.text), SHORT), out.text
+        assert outs[4].finish_reason == "length" or isinstance(json.loads(outs[4].text), dict)
+        assert outs[5].text in ("yes", "no", "yes, with a comma")
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(outs[6].text)  # without a grammar this model writes no JSON
+        alone = llm.generate(["Answer:"], plain, use_tqdm=False)[0].outputs[0].text
+        assert outs[7].text == alone  # its neighbours' masks never touched its row
+        assert not llm.engine.runner.matchers  # released with their requests
+    assert texts[False] == texts[True]
+    assert len(set(texts[False][:4])) == 4  # different seeds, different documents
+
+
+def test_long_strings_and_numbers_stay_valid_until_cut(qwen3_vocab_dir):
+    """A random model rarely closes a string: the reply may end at max_tokens, but every prefix
+    it writes is a prefix of a document of the schema."""
+    llm = LLM(qwen3_vocab_dir, device="cpu", max_num_seqs=8)
+    grammar = so.Grammar(so.compile_json_schema(PERSON),
+                         so.Vocabulary.from_tokenizer(llm.get_tokenizer(), 151936))  # fmt: skip
+    outs = llm.generate(["x"] * 4, [structured(i, json=PERSON) for i in range(4)], use_tqdm=False)
+    for out in outs:
+        state = feed(grammar, out.outputs[0].text.encode())
+        assert state, out.outputs[0].text
+        if out.outputs[0].finish_reason == "stop":
+            assert () in state and conforms(json.loads(out.outputs[0].text), PERSON)
+
+
+def test_structured_outputs_params_are_checked_where_they_are_made():
+    with pytest.raises(ValueError, match="exactly one of json, choice, json_object"):
+        StructuredOutputsParams(json={"type": "string"}, choice=["a"])
+    with pytest.raises(ValueError, match="'pattern' not supported"):
+        StructuredOutputsParams(json={"type": "string", "pattern": "x"})
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(TypeError, match="must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})
+    assert StructuredOutputsParams(json='{"type": "integer"}').json == {"type": "integer"}
+
+
+# -- the server (the tiny byte-level checkpoint: 256 byte tokens) --------------------------------
+
+
+@pytest.fixture
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
+        yield c
+    live_server.wait_until_idle(timeout=1.0)
+
+
+def post(http, endpoint: str, **body) -> httpx.Response:
+    if endpoint == "chat":
+        body = {"messages": [{"role": "user", "content": "Hi"}], **body}
+        return http.post("/v1/chat/completions", json=body)
+    return http.post("/v1/completions", json={"prompt": "Hi", **body})
+
+
+def texts(response: httpx.Response, endpoint: str) -> list[str]:
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    return [c["message"]["content"] if endpoint == "chat" else c["text"] for c in choices]
+
+
+# at most 23 bytes: the tiny server's context is 48 byte tokens, a chat prompt takes 21
+TINY = {"type": "object", "properties": {"p": {"enum": ["x", "yz"]}, "f": {"type": "boolean"}},
+        "required": ["p", "f"]}  # fmt: skip
+TINY_FORMAT = {"type": "json_schema", "json_schema": {"name": "tiny", "schema": TINY}}
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"response_format": TINY_FORMAT},
+        {"structured_outputs": {"json": TINY}},
+        {"guided_json": json.dumps(TINY)},
+    ],
+)
+def test_the_server_answers_in_the_schema(http, endpoint, field):
+    for text in texts(post(http, endpoint, n=3, seed=5, temperature=1.0, max_tokens=24, **field),
+                      endpoint):  # fmt: skip
+        assert conforms(json.loads(text), TINY), text
+
+
+def test_the_server_takes_json_object_and_choices(http):
+    for text in texts(post(http, "chat", n=4, seed=1, temperature=1.0,
+                           response_format={"type": "json_object"}), "chat"):  # fmt: skip
+        assert text.startswith("{")  # a random model may be cut mid-object by max_tokens
+    options = ["red", "green", "light blue"]
+    for field in ({"structured_outputs": {"choice": options}}, {"guided_choice": options}):
+        for text in texts(post(http, "completions", n=4, seed=2, temperature=1.0, max_tokens=20,
+                               **field), "completions"):  # fmt: skip
+            assert text in options
+    streamed = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "Hi",
+            "stream": True,
+            "max_tokens": 20,
+            "structured_outputs": {"choice": options},
+        },
+    )
+    pieces = [json.loads(line[6:])["choices"][0]["text"] for line in streamed.text.splitlines()
+              if line.startswith("data: {") and '"choices":[{' in line]  # fmt: skip
+    assert "".join(pieces) in options
+
+
+BAD = {
+    "unsupported keyword": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "string", "pattern": "[a-z]+"}}}}, "'pattern'"),
+    "no schema": ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+    "unknown type": ({"response_format": {"type": "xml"}}, "response_format"),
+    "two ways": ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+                 "one way"),
+    "regex": ({"structured_outputs": {"regex": "a+"}}, "regex"),
+    "none given": ({"structured_outputs": {}}, "exactly one"),
+    "empty choice": ({"structured_outputs": {"choice": []}}, "non-empty"),
+    "with min_tokens": ({"response_format": {"type": "json_object"}, "min_tokens": 2},
+                        "min_tokens cannot be combined"),
+    "bad JSON text": ({"guided_json": "{oops"}, "not valid JSON"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_structured_output_requests_are_400s(http, case):
+    from .conftest import assert_openai_error  # here: the GPU test runs without the server's deps
+
+    body, words = BAD[case]
+    error = assert_openai_error(post(http, "chat", max_tokens=4, **body), 400)
+    assert words in error["message"], error["message"]
+    assert texts(post(http, "completions", max_tokens=3), "completions")  # still serving
+
+
+@pytest.mark.gpu
+def test_gpu_grammars_under_cuda_graphs_and_overlap(qwen3_vocab_dir):
+    """On CUDA (bf16, decode steps replayed from CUDA graphs), overlap on and off sample the same
+    documents, each valid; the mask reaches the graph's logits and the placeholder's token is
+    read from the previous step's copy. ignore_eos: a complete document is followed by EOS
+    tokens up to max_tokens, so both engines run the same batches step for step (bf16 sums
+    depend on the batch) and equality is exact."""
+    spec = [{"json": SHORT}] * 6 + [{"json_object": True}]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(**s))
+              for i, s in enumerate(spec)]  # fmt: skip
+    texts = {}
+    for overlap in (False, True):
+        llm = LLM(qwen3_vocab_dir, dtype="bfloat16", device="cuda", max_num_seqs=8,
+                  num_kv_blocks=512, async_scheduling=overlap)  # fmt: skip
+        assert llm.engine.runner.graphs is not None
+        outs = [o.outputs[0] for o in llm.generate(["Answer:"] * len(params), params,
+                                                   use_tqdm=False)]  # fmt: skip
+        for out in outs[:6]:  # the EOS tokens after the document have no text
+            assert conforms(json.loads(out.text), SHORT), out.text
+        texts[overlap] = [o.text for o in outs]
+        del llm
+    assert texts[False] == texts[True]
