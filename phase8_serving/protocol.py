@@ -176,12 +176,11 @@ class SamplingRequest(BaseModel):
     def _one_structured_output(self):
         """At most one way to ask for structured outputs, and a spec the grammar can enforce
         (checked here, so a bad schema is a 400 before anything is tokenized)."""
-        asked = lambda name: (
-            getattr(self, name) is not None
-            and (  # noqa: E731
-                name != "response_format" or self.response_format.type != "text"
-            )
-        )
+
+        def asked(name: str) -> bool:  # response_format's "text" asks for nothing
+            value = getattr(self, name)
+            return value is not None and (name != "response_format" or value.type != "text")
+
         ways = ("response_format", "structured_outputs", "guided_json", "guided_choice")
         given = [name for name in ways if asked(name)]
         if len(given) > 1:

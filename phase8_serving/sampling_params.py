@@ -88,7 +88,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", json.loads(self.json))
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: '[' x 10^5
                 raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))

@@ -47,8 +47,9 @@ SUPPORTED = frozenset({
     "minItems", "maxItems", "anyOf", "oneOf", "allOf", "$ref",
 })  # fmt: skip
 MAX_SCHEMA_NODES = 10_000  # a schema is compiled per request: bound the work a client can ask
+MAX_SCHEMA_DEPTH = 64  # subschemas inside subschemas (compiling recurses)
 MAX_ITEMS_BOUND = 1_000  # minItems/maxItems are counted in the state; bound how far
-MAX_CHOICES = 1_000
+MAX_CHOICES = 1_000  # of `choice`, and of an `enum`
 
 
 class SchemaError(ValueError):
@@ -140,7 +141,7 @@ def compile_json_schema(schema: Any) -> Node:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: '[' x 10^5
             raise SchemaError(f"the JSON schema is not valid JSON: {e}") from None
     return _Compiler(schema).compile_root()
 
@@ -161,11 +162,22 @@ class _Compiler:
         self.root = root
         self.refs: dict[str, Ref] = {}
         self.num_nodes = 0
+        self.depth = 0  # of the subschema being compiled
 
     def compile_root(self) -> Node:
         node = self.compile(self.root, "schema")
-        for pointer, ref in self.refs.items():
+        done = 0
+        while done < len(self.refs):  # a target may hold refs of its own
+            pointer, ref = list(self.refs.items())[done]
             ref.target = self.compile(self._resolve(pointer), pointer)
+            done += 1
+        for pointer, ref in self.refs.items():
+            seen, target = {id(ref)}, ref.target
+            while isinstance(target, Ref):  # a $ref to a $ref ... to itself names no value
+                if id(target) in seen:
+                    raise SchemaError(f"$ref {pointer!r} refers to itself without a value")
+                seen.add(id(target))
+                target = target.target
         return node
 
     def _resolve(self, pointer: str) -> Any:
@@ -185,6 +197,15 @@ class _Compiler:
         self.num_nodes += 1
         if self.num_nodes > MAX_SCHEMA_NODES:
             raise SchemaError(f"the JSON schema is too large (over {MAX_SCHEMA_NODES} subschemas)")
+        if self.depth >= MAX_SCHEMA_DEPTH:
+            raise SchemaError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} subschemas")
+        self.depth += 1
+        try:
+            return self._compile(schema, where)
+        finally:
+            self.depth -= 1
+
+    def _compile(self, schema: Any, where: str) -> Node:
         if schema is True or schema == {}:
             return ANY
         if not isinstance(schema, dict):
@@ -208,6 +229,10 @@ class _Compiler:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"{where}: enum must be a non-empty list")
+            if len(values) > MAX_CHOICES:
+                raise SchemaError(
+                    f"{where}: enum holds {len(values)} values; at most {MAX_CHOICES}"
+                )
             return Literal(self._literal(v, where) for v in values)
         for key in ("anyOf", "oneOf", "allOf"):
             if key in schema:
@@ -590,17 +615,33 @@ class Vocabulary:
 # ---------------------------------------------------------------------------------------------
 # A compiled grammar (shared by every request with the same schema) and one request's matcher.
 
-MAX_CACHED_MASKS = 4096  # per grammar; packed, a 152k vocabulary's mask is 19 KB
+MAX_CACHED_MASKS = 2048  # for every grammar together; packed, a 152k vocabulary's is 19 KB
+MAX_CACHED_STEPS = 500_000  # (state, byte) -> state, per grammar; then the memo starts over
+
+
+class MaskCache(dict):
+    """Packed masks by stack (or set of stacks), least recently added out first. A stack says
+    all that may follow it, whatever grammar it came from, so grammars share one cache."""
+
+    def put(self, key, packed: np.ndarray) -> np.ndarray:
+        if len(self) >= MAX_CACHED_MASKS:
+            self.pop(next(iter(self)))
+        self[key] = packed
+        return packed
+
+
+def start_state(root: Node) -> frozenset:
+    start: set = set()
+    _expand((("v", root),), start, set())
+    return frozenset(start)
 
 
 class Grammar:
-    def __init__(self, root: Node, vocab: Vocabulary):
+    def __init__(self, root: Node, vocab: Vocabulary, masks: MaskCache | None = None):
         self.vocab = vocab
-        start: set = set()
-        _expand((("v", root),), start, set())
-        self.start = frozenset(start)
+        self.start = start_state(root)
         self._advance: dict[tuple[frozenset, int], frozenset] = {}
-        self._masks: dict[tuple, np.ndarray] = {}  # stack -> packed bits of its allowed tokens
+        self._masks = MaskCache() if masks is None else masks
 
     def advance(self, state: frozenset, byte: int) -> frozenset:
         key = (state, byte)
@@ -611,6 +652,8 @@ class Grammar:
                 after = _step(stack, byte)
                 if after is not None:
                     _expand(after, out, set())
+            if len(self._advance) >= MAX_CACHED_STEPS:
+                self._advance.clear()
             nxt = self._advance[key] = frozenset(out)
         return nxt
 
@@ -622,25 +665,28 @@ class Grammar:
         return state
 
     def mask(self, state: frozenset) -> np.ndarray:
-        """Packed bits (little-endian within a byte) of the tokens `state` may read next."""
-        masks = [self._stack_mask(s) for s in state if s]
+        """Packed bits (little-endian within a byte) of the tokens `state` may read next: the
+        union of what its stacks allow. A stack in a string's body has a mask of its own (the
+        plain-string shortcut); the others are walked together, one walk for an enum of 1,000."""
+        strings = [s for s in state if s and s[-1] == STRING_BODY]
+        others = frozenset(s for s in state if s and s[-1] != STRING_BODY)
+        masks = [self._cached(frozenset([s]), string=True) for s in strings]
+        if others:
+            masks.append(self._cached(others, string=False))
         if not masks:
             return np.zeros(-(-self.vocab.vocab_size // 8), dtype=np.uint8)
         return masks[0] if len(masks) == 1 else np.bitwise_or.reduce(masks)
 
-    def _stack_mask(self, stack: tuple) -> np.ndarray:
-        packed = self._masks.get(stack)
+    def _cached(self, stacks: frozenset, string: bool) -> np.ndarray:
+        packed = self._masks.get(stacks)
         if packed is None:
             allowed = np.zeros(self.vocab.vocab_size, dtype=bool)
-            if stack[-1] == STRING_BODY:
+            if string:
                 allowed |= self.vocab.plain
-                self._walk(self.vocab.tails, frozenset([stack]), allowed)
+                self._walk(self.vocab.tails, stacks, allowed)
             else:
-                self._walk(self.vocab.root, frozenset([stack]), allowed)
-            packed = np.packbits(allowed, bitorder="little")
-            if len(self._masks) >= MAX_CACHED_MASKS:
-                self._masks.pop(next(iter(self._masks)))
-            self._masks[stack] = packed
+                self._walk(self.vocab.root, stacks, allowed)
+            packed = self._masks.put(stacks, np.packbits(allowed, bitorder="little"))
         return packed
 
     def _walk(self, node: _Trie, state: frozenset, allowed: np.ndarray) -> None:
@@ -659,6 +705,7 @@ class GrammarMatcher:
         self.grammar = grammar
         self.state = grammar.start
         self.num_read = 0  # output tokens read
+        self.dead_end = False  # the last mask allowed no token: only stop tokens then
 
     @property
     def is_complete(self) -> bool:
@@ -668,7 +715,7 @@ class GrammarMatcher:
         """Reads the output tokens past `num_read`. After a complete value only stop tokens
         (EOS) come; any token the grammar rejects is a bug in the masking (AssertionError)."""
         for token in tokens[self.num_read :]:
-            if token in stop_tokens and self.is_complete:
+            if token in stop_tokens and (self.is_complete or self.dead_end):
                 pass  # the reply ends here (or, under ignore_eos, goes on with stop tokens)
             else:
                 state = self.grammar.advance_token(self.state, token)
@@ -678,7 +725,10 @@ class GrammarMatcher:
 
     def mask(self, stop_tokens: Iterable[int]) -> np.ndarray:
         packed = self.grammar.mask(self.state)
-        if self.is_complete:
+        # A schema can lead where no byte goes on (an array of an item that refers only to
+        # itself): then the reply may only end, never sample from logits that are all -inf.
+        self.dead_end = not self.is_complete and not packed.any()
+        if self.is_complete or self.dead_end:
             packed = packed.copy()
             for t in stop_tokens:
                 if t < self.grammar.vocab.vocab_size:
@@ -694,12 +744,16 @@ class GrammarKey:
 
 def compile_spec(kind: str, spec: Any) -> Node:
     if kind == "json":
-        return compile_json_schema(spec)
-    if kind == "json_object":
-        return ANY_OBJ
-    if kind == "choice":
-        return compile_choice(spec)
-    raise SchemaError(f"unknown structured output kind {kind!r}")
+        root = compile_json_schema(spec)
+    elif kind == "json_object":
+        root = ANY_OBJ
+    elif kind == "choice":
+        root = compile_choice(spec)
+    else:
+        raise SchemaError(f"unknown structured output kind {kind!r}")
+    if not start_state(root):
+        raise SchemaError("the JSON schema allows no value")
+    return root
 
 
 class GrammarCache:
@@ -711,6 +765,7 @@ class GrammarCache:
         self._vocab_factory = vocab_factory  # built on first use: ~1-2 s for 150k tokens
         self._vocab: Vocabulary | None = None
         self._grammars: dict[GrammarKey, Grammar] = {}
+        self._masks = MaskCache()  # shared: json_object's stacks are the same in every request
 
     def matcher(self, kind: str, spec: Any) -> GrammarMatcher:
         key = GrammarKey(kind, json.dumps(spec, sort_keys=True))
@@ -720,7 +775,8 @@ class GrammarCache:
                 self._vocab = self._vocab_factory()
             if len(self._grammars) >= self.MAX_GRAMMARS:
                 self._grammars.pop(next(iter(self._grammars)))
-            grammar = self._grammars[key] = Grammar(compile_spec(kind, spec), self._vocab)
+            grammar = Grammar(compile_spec(kind, spec), self._vocab, self._masks)
+            self._grammars[key] = grammar
         return GrammarMatcher(grammar)
 
 

@@ -158,12 +158,35 @@ def test_refs_recursion_any_of_and_choices():
         ({"enum": [float("nan")]}, "not a JSON value"),
         ("{not json", "not valid JSON"),
         (7, "must be an object"),
+        ({"$ref": "#"}, "refers to itself"),
+        (
+            {
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "$ref": "#/$defs/a",
+            },
+            "refers to itself",
+        ),
+        ({"anyOf": [{"$ref": "#"}]}, "refers to itself"),
+        ({"enum": list(range(1001))}, "at most 1000"),
+        (json.loads('{"items": ' * 100 + "{}" + "}" * 100), "deeper than 64"),
     ],
 )
 def test_schemas_it_cannot_enforce_are_refused_by_name(schema, words):
     with pytest.raises(so.SchemaError) as raised:
-        so.compile_json_schema(schema)
+        so.compile_spec("json", schema)
     assert words in str(raised.value)
+
+
+def test_a_dead_end_may_only_end_the_reply():
+    """An array whose items can never begin (they are only references to themselves, through an
+    anyOf): no token can start it, so the reply may only end (stop tokens), never sample from
+    logits that are all -inf."""
+    loop = {"anyOf": [{"$ref": "#/$defs/x"}, {"$ref": "#/$defs/x"}]}
+    looped = {"type": "array", "items": {"$ref": "#/$defs/x"}, "minItems": 1, "$defs": {"x": loop}}
+    vocab = so.Vocabulary({1: b"[", 2: b"]", 3: b"[]"}, 8)
+    matcher = so.GrammarMatcher(so.Grammar(so.compile_spec("json", looped), vocab))
+    assert so.unpack_masks(matcher.mask([7]), 8).tolist() == [False] * 7 + [True]
+    matcher.read([7], frozenset({7}))  # the stop token is taken
 
 
 def brute_force_mask(grammar: so.Grammar, state: frozenset) -> np.ndarray:
