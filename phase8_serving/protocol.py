@@ -16,10 +16,12 @@ guided_choice). Structured outputs come from OpenAI's `response_format` (json_ob
 json_schema) or vLLM's fields, one of them per request; a schema this server cannot enforce is a
 400 that says which keyword.
 
+Chats take `tools` and `tool_choice` (tool_calls.py), and a history's tool calls and results.
+
 Nothing is silently ignored: a field this server does not know is a 400 that names it (pydantic's
-`extra="forbid"`), and the OpenAI fields it knows but does not implement (tools, function calls,
-`suffix`, `best_of` > n) are accepted only with their do-nothing values (`tool_choice: "none"`,
-`best_of: n`, ...), else a 400 saying so.
+`extra="forbid"`), and the OpenAI fields it knows but does not implement (the deprecated
+`functions` and `function_call`, `suffix`, `best_of` > n) are accepted only with their do-nothing
+values (`function_call: "none"`, `best_of: n`, ...), else a 400 saying so.
 """
 
 import abc
@@ -45,6 +47,7 @@ from .sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from .tool_calls import named_schema, required_schema
 
 MAX_N = 16  # completions per prompt one request may ask for
 # Stop strings per request: every step searches each of them in every running request's new text
@@ -368,6 +371,44 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # a named or required call is always generated under its schema
+
+
+class ChatTool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -380,7 +421,7 @@ class ChatMessage(BaseModel):
     annotations: list[Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, handed to the template
 
     @field_validator("content", mode="before")
     @classmethod
@@ -394,7 +435,7 @@ class ChatMessage(BaseModel):
                     raise unsupported(f"content part {i} of type {kind!r}; only 'text' parts")
         return value
 
-    @field_validator("refusal", "annotations", "audio", "function_call", "tool_calls")
+    @field_validator("refusal", "annotations", "audio", "function_call")
     @classmethod
     def _says_nothing(cls, value):
         if value:  # None, or empty: what a plain reply's message holds
@@ -412,6 +453,10 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": content, "name": self.name}
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            # templates test the content (Qwen3's: '</think>' in content): text, even if empty
+            message["content"] = content or ""
         return message
 
 
@@ -429,26 +474,80 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM's: the reply goes on with the final message
     echo: bool = False  # vLLM's: the reply begins with the final message's content, if its role's
     chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
-    # function calling is not implemented: accepted only when it asks for nothing
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None  # only "none"
-    functions: list[dict[str, Any]] | None = None  # the deprecated spelling of tools
+    tools: list[ChatTool] | None = None  # rendered by the chat template; tool_calls.py
+    # None: "auto" with tools, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # the deprecated spelling of tools: accepted only when it asks for nothing
+    functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None  # only "none"
-    parallel_tool_calls: bool | None = None  # no tools, nothing to parallelize
+    parallel_tool_calls: bool | None = None  # accepted; several calls may come either way
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, value):
+    def _no_functions(cls, value):
         if value:
-            raise unsupported("function calling")
+            raise unsupported("the deprecated functions; send tools")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
     def _choose_none(cls, value):
         if value not in (None, "none"):
-            raise unsupported("function calling; only 'none'")
+            raise unsupported("the deprecated function_call; send tool_choice")
         return value
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not self.tools:
+                raise ValueError("tool_choice asks for a call, but there are no tools")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names function {choice.function.name!r}, not among the tools "
+                    f"({', '.join(names)})"
+                )
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """ "none", "auto", "required" or "named"."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    def tool_function(self) -> FunctionDefinition | None:
+        """The named tool_choice's function."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        name = self.tool_choice.function.name
+        return next((t.function for t in self.tools or () if t.function.name == name), None)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A named or required tool call is generated under its arguments' schema."""
+        mode = self.tool_mode
+        if mode not in ("named", "required") or not self.tools:
+            return super().structured_outputs_params()
+        if super().structured_outputs_params() is not None:
+            raise ValueError(f"tool_choice {mode!r} cannot be combined with structured outputs")
+        if mode == "named":
+            function = self.tool_function()
+            if function is None:
+                raise ValueError("tool_choice names a function that is not among the tools")
+            schema = named_schema(function.parameters)
+        else:
+            schema = required_schema([t.function.model_dump() for t in self.tools])
+        return StructuredOutputsParams(json=schema)
+
+    @model_validator(mode="after")
+    def _tool_schemas_compile(self):
+        if self.tool_mode in ("named", "required"):
+            self.structured_outputs_params()  # SchemaError (a ValueError) names the keyword
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

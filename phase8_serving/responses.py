@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from .logprobs import TokenLogprobs
 from .streaming import OutputDelta
 from .tokenizer import Tokenizer
+from .tool_calls import ToolCallStream
 
 
 class ChoiceStream:
@@ -62,6 +63,17 @@ class ChoiceStream:
         self.num_token_chars = 0  # characters of the tokens with logprobs so far
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # a chat with tools: its text becomes content and tool calls (tool_calls.py)
+        self.tools: ToolCallStream | None = None
+        self.tool_calls: list[dict] | None = None  # the response's, once `end_tools` ran
+        self.content: str | None = None  # likewise
+
+    def end_tools(self) -> None:
+        """A response's content and tool calls from the whole text; "tool_calls" ends it when
+        the model called (auto, required)."""
+        self.content, self.tool_calls = self.tools.message(self.text)
+        if self.tools.called:
+            self.finish_reason = "tool_calls"
 
     def add(self, delta: OutputDelta, prompt_logprobs: dict | None = None) -> OutputDelta | None:
         """Adds a delta to the totals; returns it as it is to be sent (with the echo, the first
@@ -241,7 +253,9 @@ def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> 
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": "assistant", "content": c.text}
+                if c.tools is None
+                else {"role": "assistant", "content": c.content, "tool_calls": c.tool_calls},
                 "logprobs": None if c.logprobs is None else chat_logprobs(c, c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -275,11 +289,23 @@ def first_prompt_logprobs(choice: ChoiceStream) -> dict:
     return {"prompt_logprobs": found}
 
 
-def chat_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict:
+def chat_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict | None:
+    """A chat choice's chunk for `delta`; None when a chat with tools holds all of it back."""
     logprobs = None if delta.logprobs is None else chat_logprobs(choice, delta.logprobs)
-    content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+    finish = delta.finish_reason
+    if choice.tools is None:
+        content = {"content": delta.text} if delta.text or not finish else {}
+    else:  # content up to a tool call; the calls as they parse (tool_calls.py)
+        text, calls = choice.tools.feed(delta.text, finished=finish is not None)
+        content = {"content": text} if text else {}
+        if calls:
+            content["tool_calls"] = calls
+        if finish is not None and choice.tools.called:
+            finish = "tool_calls"
+        if not content and finish is None and logprobs is None:
+            return None
     entry = {"index": choice.index, "delta": content, "logprobs": logprobs,
-             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+             "finish_reason": finish, "stop_reason": delta.stop_reason,
              **choice.token_ids_fields(delta.token_ids)}  # fmt: skip
     prompt = first_prompt_logprobs(choice) if choice.index == 0 else {}  # one prompt: once
     return {**meta, "object": "chat.completion.chunk", "choices": [entry], **prompt}

@@ -56,6 +56,7 @@ from .responses import (
     usage,
     usage_chunk,
 )
+from .tool_calls import ToolCallStream
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -143,6 +144,9 @@ class OpenAIServing:
                              bool(body.return_tokens_as_token_ids), echo, echo_logprobs,
                              body.prompt_logprobs)
             )  # fmt: skip
+            if chat and body.tool_mode != "none":
+                function = body.tool_function()
+                choices[-1].tools = ToolCallStream(body.tool_mode, function and function.name)
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
             events = self._events(stream, choices, meta, body, prompts, chat)
@@ -156,6 +160,9 @@ class OpenAIServing:
         if client_left:
             logger.info("%s: the client disconnected; its requests were aborted", request_id)
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+        for choice in choices:
+            if choice.tools is not None:
+                choice.end_tools()
         build = chat_response if chat else completion_response
         cached = self._cached_tokens(stream, body, range(len(prompts)))
         return FastJSONResponse(build(meta, choices, usage(prompts, choices, cached)))
@@ -206,9 +213,11 @@ class OpenAIServing:
 
     def _render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
         messages = [m.for_template() for m in body.messages]
+        tools = getattr(body, "tools", None)  # /tokenize takes none
         try:
             return self.tokenizer.apply_chat_template(
                 messages, body.add_generation_prompt,
+                tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 continue_final_message=body.continue_final_message,
                 **(body.chat_template_kwargs or {}),
             )  # fmt: skip
@@ -294,8 +303,11 @@ class OpenAIServing:
                 for index, delta in deltas.items():
                     choice = choices[index]
                     sent = choice.add(delta, scored)  # with the echo, the first time
-                    if sent is not None:  # rendered now: text_offset reads the choice's totals
-                        events.append(_sse({**chunk(meta, choice, sent), **usage_so_far(choice)}))
+                    if sent is None:
+                        continue
+                    rendered = chunk(meta, choice, sent)  # now: text_offset reads the totals
+                    if rendered is not None:  # None: a chat with tools holds it all back
+                        events.append(_sse({**rendered, **usage_so_far(choice)}))
                 if events:
                     yield b"".join(events)
             if body.include_usage:

@@ -561,10 +561,6 @@ def test_top_k_minus_one_and_zero_mean_off(http, off):
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD = {  # endpoint, extra body, the param the error names
-    "tools": ("chat", {"tools": [TOOL]}, "tools"),
-    "tool_choice auto": ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    "tool_choice a function": (
-        "chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     "functions": ("chat", {"functions": [TOOL["function"]]}, "functions"),
     "function_call": ("chat", {"function_call": "auto"}, "function_call"),
     "response_format xml": ("chat", {"response_format": {"type": "xml"}}, "response_format"),
@@ -580,9 +576,6 @@ BAD = {  # endpoint, extra body, the param the error names
     "an image part": ("chat", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages"),
-    "a tool call in the history": ("chat", {"messages": [
-        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1"}]},
-        {"role": "tool", "content": "42", "tool_call_id": "call_1"}]}, "messages"),
     "logit_bias key not an id": ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
     "logit_bias key negative": ("completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
     "logit_bias > 100": ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),

@@ -1,0 +1,150 @@
+"""Tool calls: a chat reply that asks the client to run a function, in OpenAI's `tool_calls`.
+
+Problem: a client offers the model functions (`tools`, each a name and a JSON schema of its
+arguments) and wants back structured calls it can run, `{"name": ..., "arguments": "<JSON>"}`,
+not prose it has to pick apart. The model writes text; how it writes a call is its own
+convention (Qwen's, from Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as
+its chat template tells it when the tools are rendered into the prompt).
+Idea, by `tool_choice` (vLLM's behaviour):
+- "auto" (the default when tools are given): the model decides. Its text is read for Hermes
+  blocks; what comes before the first is the reply's content, each block a call. Streamed, the
+  content goes out as it comes, holding back a tail that could begin `<tool_call>`; from the tag
+  on, the text is kept and its calls sent when the choice ends.
+- a named function: the reply is that function's arguments, generated under the grammar of its
+  parameters' schema (structured_output.py), so they always parse; streamed as they come.
+- "required": at least one call, generated under the grammar of a JSON array of
+  `{"name": <a tool's name>, "parameters": <its arguments>}` objects (vLLM's format).
+- "none": tools are rendered, nothing is parsed.
+A reply cut by max_tokens before its calls parse keeps its text as content: nothing is invented.
+"""
+
+import json
+import re
+import uuid
+from typing import Any
+
+from .streaming import held_back_length
+
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def named_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A named function's reply: its arguments (an object, whatever its schema leaves open)."""
+    return parameters if parameters else {"type": "object"}
+
+
+def required_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
+    """A JSON array of calls, one tool's name and arguments in each."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "parameters": named_schema(f.get("parameters")),
+            },  # fmt: skip
+            "required": ["name", "parameters"],
+        }
+        for f in functions
+    ]
+    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"type": "array", "minItems": 1, "items": items}
+
+
+def call(index: int, name: str, arguments: str) -> dict[str, Any]:
+    """A complete call as a stream's delta carries it (`index`) and a response (without it)."""
+    return {"index": index, "id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict]] | None:
+    """Text with `<tool_call>` blocks -> (the content before the first, the calls), or None if a
+    block does not hold a call ({"name": str, "arguments": ...}) or the text has no block."""
+    if TOOL_CALL_START not in text:
+        return None
+    calls = []
+    for i, match in enumerate(HERMES_BLOCK.finditer(text)):
+        try:
+            found = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(found, dict) or not isinstance(found.get("name"), str):
+            return None
+        calls.append(call(i, found["name"], _arguments(found.get("arguments", {}))))
+    if not calls:
+        return None
+    content = text[: text.index(TOOL_CALL_START)].strip()
+    return content or None, calls
+
+
+def parse_required(text: str) -> list[dict] | None:
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # cut by max_tokens
+    return [call(i, c["name"], _arguments(c["parameters"])) for i, c in enumerate(found)]
+
+
+class ToolCallStream:
+    """One choice's text turned into content and tool calls as it arrives (`feed`), for a
+    stream's chunks and, fed once with the whole text, for a response."""
+
+    def __init__(self, mode: str, function_name: str | None = None):
+        self.mode = mode  # "auto", "named" or "required"
+        self.function_name = function_name  # the named function
+        self.text = ""  # all of it so far
+        self.sent = 0  # characters of `text` sent as content (auto) or arguments (named)
+        self.calls: list[dict] = []  # sent so far (complete, or a named call's header)
+
+    def feed(self, new_text: str, finished: bool) -> tuple[str, list[dict]]:
+        """-> (content to send now, tool-call deltas to send now)."""
+        self.text += new_text
+        if self.mode == "named":
+            if not self.calls:
+                self.calls = [call(0, self.function_name, "")]
+                header = self.calls[0]
+                return "", [{**header, "function": {**header["function"], "arguments": new_text}}]
+            return "", [{"index": 0, "function": {"arguments": new_text}}] if new_text else []
+        if self.mode == "required":
+            if not finished:
+                return "", []
+            self.calls = parse_required(self.text) or []
+            return ("" if self.calls else self.text), self.calls
+        start = self.text.find(TOOL_CALL_START)
+        if not finished:  # content up to the tag, or up to a tail that may begin it
+            if start < 0:
+                start = len(self.text) - held_back_length(self.text, [TOOL_CALL_START])
+            end = max(start, self.sent)
+            content, self.sent = self.text[self.sent : end], end
+            return content, []
+        parsed = parse_hermes(self.text)
+        if parsed is None:  # no calls: the rest is content
+            content, self.sent = self.text[self.sent :], len(self.text)
+            return content, []
+        self.calls = parsed[1]
+        return self.text[self.sent : start].rstrip() if start > self.sent else "", self.calls
+
+    def message(self, text: str) -> tuple[str | None, list[dict]]:
+        """A whole reply -> (content, calls without their stream index)."""
+        content, calls = self.feed(text, finished=True)
+        if self.mode == "named":
+            header = calls[0]
+            calls = [{**header, "function": {**header["function"], "arguments": self.text}}]
+            content = None
+        elif self.mode == "auto" and calls:
+            content = parse_hermes(self.text)[0]
+        return (content if content or not calls else None), [
+            {k: v for k, v in c.items() if k != "index"} for c in calls
+        ]
+
+    @property
+    def called(self) -> bool:
+        return bool(self.calls) and self.mode != "named"

@@ -1,0 +1,188 @@
+"""Tool calls: Hermes blocks parsed (whole and streamed), named and required calls generated under
+their schemas, the server's fields, history and 400s.
+
+Oracles: hand-written replies with known calls; a named call's arguments, which must parse and
+match the function's schema (a random model writes them only under the grammar); the streamed
+pieces, which must add up to the whole response.
+"""
+
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from phase8_serving.protocol import ChatCompletionRequest
+from phase8_serving.serving_engine import OpenAIServing
+from phase8_serving.tokenizer import Tokenizer
+from phase8_serving.tool_calls import ToolCallStream, parse_hermes, parse_required
+from tests import assets
+
+from .conftest import assert_openai_error
+
+# short enough for the tiny server's context (48 byte tokens; a chat prompt takes 21)
+WEATHER = {"type": "object", "properties": {"c": {"enum": ["P", "O"]}, "d": {"type": "boolean"}},
+           "required": ["c", "d"]}  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "w", "description": "weather", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "n"}},
+]
+MESSAGES = [{"role": "user", "content": "Hi"}]
+REPLY = ('Let me check.\n<tool_call>\n{"name": "w", "arguments": {"c": "P", "d": true}}\n'
+         '</tool_call>\n<tool_call>\n{"name": "n", "arguments": "{}"}\n</tool_call>')  # fmt: skip
+
+
+def test_hermes_blocks_become_content_and_calls():
+    content, calls = parse_hermes(REPLY)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("w", {"c": "P", "d": True}), ("n", {})]  # fmt: skip
+    assert len({c["id"] for c in calls}) == 2
+    assert parse_hermes("no calls here") is None
+    assert parse_hermes("<tool_call>{not json}</tool_call>") is None
+    assert parse_hermes('<tool_call>{"arguments": {}}</tool_call>') is None  # no name
+
+
+@pytest.mark.parametrize("pieces", [[REPLY], list(REPLY), [REPLY[:14], REPLY[14:20], REPLY[20:]]])
+def test_a_stream_sends_the_content_and_then_the_calls(pieces):
+    """However the text is cut, the content goes out before the first tag (never a piece of the
+    tag), and the calls once the choice ends."""
+    stream = ToolCallStream("auto")
+    sent, calls = "", []
+    for i, piece in enumerate(pieces):
+        content, new_calls = stream.feed(piece, finished=i == len(pieces) - 1)
+        assert "<" not in content
+        sent += content
+        calls += new_calls
+    assert sent.rstrip() == "Let me check."  # a newline before the tag may already be out
+    assert [c["function"]["name"] for c in calls] == ["w", "n"] and stream.called
+
+
+def test_text_that_only_looks_like_a_tag_is_released():
+    stream = ToolCallStream("auto")
+    assert stream.feed("a <to", finished=False) == ("a ", [])  # may begin <tool_call>
+    assert stream.feed("day", finished=False) == ("<today", [])
+    assert stream.feed(" <tool_call>{oops", finished=False) == (" ", [])
+    assert stream.feed("</tool_call>", finished=True) == ("<tool_call>{oops</tool_call>", [])
+    assert not stream.called  # no call: everything is content
+
+
+def test_named_and_required_replies():
+    named = ToolCallStream("named", "w")
+    content, calls = named.message('{"c":"P","d":false}')
+    assert content is None and calls[0]["function"] == {
+        "name": "w",
+        "arguments": '{"c":"P","d":false}',
+    }
+    assert not named.called  # a forced call ends "stop", as OpenAI's
+    calls = parse_required(
+        '[{"name":"w","parameters":{"c":"O","d":true}},{"name":"n","parameters":{}}]'
+    )
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("w", '{"c": "O", "d": true}'), ("n", "{}")]  # fmt: skip
+    assert parse_required('[{"name":"w","param') is None  # cut by max_tokens
+
+
+def test_tools_reach_the_chat_template():
+    """Qwen3's template lists the tools in a system turn and renders a history's calls and
+    tool results."""
+    tokenizer = Tokenizer.from_dir(assets.qwen3_tokenizer_dir())
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"c": "P"}'}}
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    body = ChatCompletionRequest(messages=history, tools=TOOLS)
+    text = OpenAIServing._render_chat(SimpleNamespace(tokenizer=tokenizer), body)
+    assert "<tools>" in text and '"name": "w"' in text and '"description": "weather"' in text
+    assert '<tool_call>\n{"name": "w", "arguments": {"c": "P"}}' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+
+
+# -- through the server ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
+        yield c
+    live_server.wait_until_idle(timeout=1.0)
+
+
+def chat(http, **body) -> httpx.Response:
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 27, "temperature": 1.0, **body}
+    return http.post("/v1/chat/completions", json=body)
+
+
+NAMED = {"type": "function", "function": {"name": "w"}}
+
+
+def test_a_named_call_is_the_functions_arguments(http):
+    response = chat(http, tool_choice=NAMED, n=3, seed=4)
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        message = choice["message"]
+        assert message["content"] is None and choice["finish_reason"] == "stop"
+        (call,) = message["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+        arguments = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "w" and arguments["c"] in ("P", "O")
+        assert isinstance(arguments["d"], bool)
+
+
+def test_a_streamed_named_call_adds_up_to_the_response(http):
+    whole = chat(http, tool_choice=NAMED, seed=9).json()["choices"][0]["message"]
+    streamed = chat(http, tool_choice=NAMED, seed=9, stream=True)
+    deltas = [json.loads(line[6:])["choices"][0] for line in streamed.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "w" and calls[0]["id"].startswith("chatcmpl-tool-")
+    arguments = "".join(c["function"]["arguments"] for c in calls)
+    assert arguments == whole["tool_calls"][0]["function"]["arguments"]
+    assert not any(d["delta"].get("content") for d in deltas)
+    assert deltas[-1]["finish_reason"] == "stop"
+
+
+def test_a_required_call_cut_short_keeps_its_text(http):
+    """`required` generates a JSON array of calls; this context is too short for one, and what
+    was written stays the content (nothing invented), the finish reason 'length'."""
+    choice = chat(http, tool_choice="required", seed=1).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] == []
+    assert choice["message"]["content"].startswith('[{"name":')
+
+
+def test_tool_choice_none_and_a_history_of_calls(http):
+    message = chat(http, tool_choice="none", max_tokens=3).json()["choices"][0]["message"]
+    assert "tool_calls" not in message and isinstance(message["content"], str)
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "c1"}]  # fmt: skip
+    response = chat(http, messages=history, max_tokens=3)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["tool_calls"] == []  # auto: nothing parsed
+
+
+BAD = {
+    "no tools to call": ({"tools": None, "tool_choice": "required"}, "no tools"),
+    "an unknown name": ({"tool_choice": {"type": "function", "function": {"name": "x"}}},
+                        "not among the tools"),
+    "with response_format": ({"tool_choice": NAMED, "response_format": {"type": "json_object"}},
+                             "cannot be combined"),
+    "a bad function name": ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+                            "tools"),
+    "a schema it cannot enforce": ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            "x": {"type": "string", "pattern": "a+"}}}}}], "tool_choice": "required"}, "'pattern'"),
+    "functions": ({"functions": [{"name": "f"}]}, "functions"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_tool_requests_are_400s(http, case):
+    body, words = BAD[case]
+    error = assert_openai_error(chat(http, **body), 400)
+    assert words in error["message"], error["message"]
+    assert chat(http, tools=None, max_tokens=2).status_code == 200  # still serving
