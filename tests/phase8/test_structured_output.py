@@ -206,19 +206,19 @@ def test_masks_equal_brute_force_over_qwen3s_vocabulary(kind, qwen3_vocab):
     grammar = so.Grammar(node, qwen3_vocab)
     rng = random.Random(0)
     checked = 0
-    for walk in range(3):
+    for walk in range(2):
         matcher = so.GrammarMatcher(grammar)
         tokens = []
-        for step in range(60):
+        for step in range(45):
             allowed = so.unpack_masks(matcher.mask(()), qwen3_vocab.vocab_size)
-            if step % 12 == walk:
+            if step % 15 == walk:
                 assert (allowed == brute_force_mask(grammar, matcher.state)).all()
                 checked += 1
             if not allowed.any():
                 break
             tokens.append(int(rng.choice(np.flatnonzero(allowed))))
             matcher.read(tokens, frozenset())
-    assert checked >= 9
+    assert checked >= 4  # a walk ends early where its document is complete
 
 
 def test_a_complete_value_allows_only_stop_tokens(qwen3_vocab):
@@ -250,12 +250,19 @@ def qwen3_vocab_dir(tmp_path_factory):
     return directory
 
 
-def structured(seed: int, **spec) -> SamplingParams:
-    return SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+def structured(seed: int, max_tokens: int = 64, **spec) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
                           structured_outputs=StructuredOutputsParams(**spec))  # fmt: skip
 
 
-def test_random_model_writes_the_schema_only_under_the_grammar(qwen3_vocab_dir):
+@pytest.fixture(scope="module")
+def llms(qwen3_vocab_dir) -> dict[bool, LLM]:
+    """The engine with overlap scheduling off and on."""
+    return {overlap: LLM(qwen3_vocab_dir, device="cpu", async_scheduling=overlap, max_num_seqs=8)
+            for overlap in (False, True)}  # fmt: skip
+
+
+def test_random_model_writes_the_schema_only_under_the_grammar(llms):
     """One batch mixing grammars (a schema, any object, choices) with a request that has none;
     the same seeded batch with overlap scheduling on and off samples the same tokens."""
     plain = SamplingParams(temperature=0.0, max_tokens=12)
@@ -266,8 +273,7 @@ def test_random_model_writes_the_schema_only_under_the_grammar(qwen3_vocab_dir):
         plain,
     ]
     texts = {}
-    for overlap in (False, True):
-        llm = LLM(qwen3_vocab_dir, device="cpu", async_scheduling=overlap, max_num_seqs=8)
+    for overlap, llm in llms.items():
         outs = [o.outputs[0] for o in llm.generate(["Answer:"] * len(params), params,
                                                    use_tqdm=False)]  # fmt: skip
         texts[overlap] = [o.text for o in outs]
@@ -285,13 +291,12 @@ def test_random_model_writes_the_schema_only_under_the_grammar(qwen3_vocab_dir):
     assert len(set(texts[False][:4])) == 4  # different seeds, different documents
 
 
-def test_long_strings_and_numbers_stay_valid_until_cut(qwen3_vocab_dir):
+def test_long_strings_and_numbers_stay_valid_until_cut(llms, qwen3_vocab):
     """A random model rarely closes a string: the reply may end at max_tokens, but every prefix
     it writes is a prefix of a document of the schema."""
-    llm = LLM(qwen3_vocab_dir, device="cpu", max_num_seqs=8)
-    grammar = so.Grammar(so.compile_json_schema(PERSON),
-                         so.Vocabulary.from_tokenizer(llm.get_tokenizer(), 151936))  # fmt: skip
-    outs = llm.generate(["x"] * 4, [structured(i, json=PERSON) for i in range(4)], use_tqdm=False)
+    grammar = so.Grammar(so.compile_json_schema(PERSON), qwen3_vocab)
+    params = [structured(i, json=PERSON) for i in range(4)]
+    outs = llms[False].generate(["x"] * 4, params, use_tqdm=False)
     for out in outs:
         state = feed(grammar, out.outputs[0].text.encode())
         assert state, out.outputs[0].text
