@@ -530,15 +530,19 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Replies to one conversation or a list of them, rendered with the chat template."""
+        """Replies to one conversation or a list of them, rendered with the chat template.
+        `tools` (vLLM's): OpenAI-style tool definitions the template renders; the reply's
+        calls are its text (the server parses them: tool_calls.py)."""
         conversations = check_conversations(messages)
         check_optional("chat_template_kwargs", chat_template_kwargs, dict)
+        check_optional("tools", tools, list)
         tokenizer = self.engine.tokenizer
         prompts = [
             tokenizer.encode(
                 tokenizer.apply_chat_template(
-                    c, add_generation_prompt, **(chat_template_kwargs or {})
+                    c, add_generation_prompt, tools=tools, **(chat_template_kwargs or {})
                 ),
                 add_special_tokens=False,  # the rendered template already holds them
             )

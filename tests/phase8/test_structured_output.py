@@ -304,6 +304,20 @@ def test_long_strings_and_numbers_stay_valid_until_cut(llms, qwen3_vocab):
             assert () in state and conforms(json.loads(out.outputs[0].text), PERSON)
 
 
+def test_offline_chat_renders_tools_and_generates_a_named_call(llms):
+    """`LLM.chat(..., tools=...)` (vLLM's): the template lists them; a call generated under its
+    arguments' schema is what a named tool_choice makes the server do."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": SHORT}}
+    params = structured(3, json=SHORT)
+    (out,) = llms[False].chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False,
+                              tools=[tool])  # fmt: skip
+    prompt = llms[False].get_tokenizer().decode(out.prompt_token_ids)
+    assert "<tools>" in prompt and '"name": "pick"' in prompt
+    assert conforms(json.loads(out.outputs[0].text), SHORT)
+    with pytest.raises(TypeError, match="tools"):
+        llms[False].chat([{"role": "user", "content": "Hi"}], params, tools="pick")
+
+
 def test_structured_outputs_params_are_checked_where_they_are_made():
     with pytest.raises(ValueError, match="exactly one of json, choice, json_object"):
         StructuredOutputsParams(json={"type": "string"}, choice=["a"])
