@@ -12,7 +12,7 @@ vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs,
 return_token_ids, return_tokens_as_token_ids, prompt_logprobs, add_special_tokens,
 truncate_prompt_tokens, allowed_token_ids, structured_outputs (and its older names guided_json,
-guided_choice). Structured outputs come from OpenAI's `response_format` (json_object,
+guided_choice, guided_regex). Structured outputs come from OpenAI's `response_format` (json_object,
 json_schema) or vLLM's fields, one of them per request; a schema this server cannot enforce is a
 400 that says which keyword.
 
@@ -116,21 +116,21 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of json (a schema), choice, json_object."""
+    """vLLM's `structured_outputs`: exactly one of json (a schema), choice, json_object, regex."""
 
     model_config = STRICT
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     choice: list[str] | None = None
     json_object: bool | None = None
-    regex: Any = None  # vLLM's; not supported here
+    regex: str | None = None
     grammar: Any = None  # vLLM's; not supported here
     structural_tag: Any = None  # vLLM's; not supported here
 
     @model_validator(mode="after")
     def _supported(self):
-        for name in ("regex", "grammar", "structural_tag"):
+        for name in ("grammar", "structural_tag"):
             if getattr(self, name) is not None:
-                raise unsupported(f"{name}; only json, choice and json_object")
+                raise unsupported(f"{name}; only json, choice, json_object and regex")
         return self
 
 
@@ -168,6 +168,7 @@ class SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     guided_json: dict[str, Any] | str | None = None  # vLLM's older name for structured_outputs.json
     guided_choice: list[str] | None = None  # vLLM's older name for structured_outputs.choice
+    guided_regex: str | None = None  # vLLM's older name for structured_outputs.regex
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:ID"
@@ -184,7 +185,13 @@ class SamplingRequest(BaseModel):
             value = getattr(self, name)
             return value is not None and (name != "response_format" or value.type != "text")
 
-        ways = ("response_format", "structured_outputs", "guided_json", "guided_choice")
+        ways = (
+            "response_format",
+            "structured_outputs",
+            "guided_json",
+            "guided_choice",
+            "guided_regex",
+        )
         given = [name for name in ways if asked(name)]
         if len(given) > 1:
             raise ValueError(f"ask for structured outputs one way, not with {' and '.join(given)}")
@@ -196,11 +203,13 @@ class SamplingRequest(BaseModel):
         so, rf = self.structured_outputs, self.response_format
         if so is not None:
             return StructuredOutputsParams(json=so.json_, choice=so.choice,
-                                           json_object=so.json_object)  # fmt: skip
+                                           json_object=so.json_object, regex=so.regex)  # fmt: skip
         if self.guided_json is not None:
             return StructuredOutputsParams(json=self.guided_json)
         if self.guided_choice is not None:
             return StructuredOutputsParams(choice=self.guided_choice)
+        if self.guided_regex is not None:
+            return StructuredOutputsParams(regex=self.guided_regex)
         if rf is None or rf.type == "text":
             return None
         if rf.type == "json_object":

@@ -68,17 +68,20 @@ def _check_spec(kind: str, canonical: str) -> None:
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's: what the reply must be, exactly one of: `json`, a JSON schema (a dict, or its JSON
-    text); `json_object=True`, any JSON object; `choice`, one of these strings."""
+    text); `json_object=True`, any JSON object; `choice`, one of these strings; `regex`, a
+    regular expression the whole reply matches."""
 
     json: Any = None
     choice: tuple[str, ...] | None = None
     json_object: bool | None = None
+    regex: str | None = None
 
     def __post_init__(self):
-        given = [n for n in ("json", "choice", "json_object") if getattr(self, n) is not None]
+        kinds = ("json", "choice", "json_object", "regex")
+        given = [n for n in kinds if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(
-                "StructuredOutputsParams takes exactly one of json, choice, json_object, "
+                "StructuredOutputsParams takes exactly one of json, choice, json_object, regex, "
                 f"got {given or 'none'}"
             )
         if self.json_object is not None and self.json_object is not True:
@@ -96,19 +99,14 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return (
-            "json"
-            if self.json is not None
-            else "choice"
-            if self.choice is not None
-            else "json_object"
-        )
+        kinds = ("json", "choice", "regex")
+        return next((k for k in kinds if getattr(self, k) is not None), "json_object")
 
     @property
     def spec(self) -> Any:
-        return {"json": self.json, "choice": list(self.choice or ()), "json_object": True}[
-            self.kind
-        ]
+        specs = {"json": self.json, "choice": list(self.choice or ()), "json_object": True,
+                 "regex": self.regex}  # fmt: skip
+        return specs[self.kind]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ annotations (title, description, default, format, ...) are ignored, as the stand
 """
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,15 @@ class Ref(Node):
         self.target: Node | None = None
 
 
+class Regex(Node):
+    """A regular expression the whole reply must match (compile_regex)."""
+
+    __slots__ = ("nfa",)
+
+    def __init__(self, nfa: "_NFA"):
+        self.nfa = nfa
+
+
 STR, INT, NUM = Str(), Num(integer=True), Num(integer=False)
 TRUE_FALSE, NULL = Literal([b"true", b"false"]), Literal([b"null"])
 ANY = AnyOf([])  # filled below: any JSON value, objects and arrays of any values included
@@ -155,6 +165,251 @@ def compile_choice(choices: Any) -> Node:
     if not all(isinstance(c, str) and c for c in choices):
         raise SchemaError("choice must hold non-empty strings")
     return Literal(c.encode() for c in choices)
+
+
+MAX_REGEX_STATES = 5_000  # a{1000}{1000} would make a million
+
+
+def compile_regex(pattern: Any) -> Node:
+    """A regular expression (Python's syntax, a subset: literals and escapes, ., [classes],
+    \\d \\w \\s and their negations (ASCII), groups, |, * + ? {m,n}) -> a grammar whose replies
+    match it whole. Lookarounds, backreferences and flags are refused."""
+    if not isinstance(pattern, str) or not pattern:
+        raise SchemaError(f"regex must be a non-empty string, got {pattern!r}")
+    return Regex(_NFA(_RegexParser(pattern).parse()))
+
+
+DIGIT, WORD = ((0x30, 0x39),), ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+SPACE_CHARS = tuple((ord(c), ord(c)) for c in " \t\n\r\f\v")
+CLASS_ESCAPES = {"d": (False, DIGIT), "w": (False, WORD), "s": (False, SPACE_CHARS),
+                 "D": (True, DIGIT), "W": (True, WORD), "S": (True, SPACE_CHARS)}  # fmt: skip
+CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+ANY_BUT_NEWLINE = (True, ((0x0A, 0x0A),))
+
+
+class _RegexParser:
+    """Pattern text -> a tree: ("set", negated, ranges), ("cat", [...]), ("alt", [...]),
+    ("rep", tree, low, high or None)."""
+
+    def __init__(self, pattern: str):
+        self.text, self.i = pattern, 0
+
+    def fail(self, what: str):
+        raise SchemaError(f"regex {self.text!r}, at {self.i}: {what}")
+
+    def peek(self) -> str | None:
+        return self.text[self.i] if self.i < len(self.text) else None
+
+    def take(self) -> str:
+        if self.i >= len(self.text):
+            self.fail("the pattern ends too early")
+        self.i += 1
+        return self.text[self.i - 1]
+
+    def parse(self):
+        if self.peek() == "^":
+            self.i += 1  # the whole reply matches: anchors say nothing more
+        tree = self.alternation()
+        if self.i < len(self.text):
+            self.fail(f"unexpected {self.text[self.i]!r}")
+        return tree
+
+    def alternation(self):
+        options = [self.sequence()]
+        while self.peek() == "|":
+            self.i += 1
+            options.append(self.sequence())
+        return options[0] if len(options) == 1 else ("alt", options)
+
+    def sequence(self):
+        items = []
+        while self.peek() not in (None, "|", ")"):
+            if self.peek() == "$" and self.i == len(self.text) - 1:
+                self.i += 1
+                break
+            items.append(self.quantified(self.atom()))
+        return ("cat", items)
+
+    def atom(self):
+        c = self.take()
+        if c == "(":
+            if self.text.startswith("?:", self.i):
+                self.i += 2
+            elif self.text.startswith("?P<", self.i):
+                self.i = self.text.index(">", self.i) + 1
+            elif self.peek() == "?":
+                self.fail("lookarounds, flags and other (?...) groups are not supported")
+            tree = self.alternation()
+            if self.peek() != ")":
+                self.fail("a group is not closed")
+            self.i += 1
+            return tree
+        if c == "[":
+            return self.char_class()
+        if c == ".":
+            return ("set", *ANY_BUT_NEWLINE)
+        if c == "\\":
+            return self.escape(in_class=False)
+        if c in "*+?{":
+            self.fail(f"{c!r} repeats nothing")
+        if c in "^$":
+            self.fail("anchors only at the ends")
+        return ("set", False, ((ord(c), ord(c)),))
+
+    def escape(self, in_class: bool):
+        c = self.take()
+        if c in CLASS_ESCAPES:
+            return ("set", *CLASS_ESCAPES[c])
+        if c in CHAR_ESCAPES:
+            c = CHAR_ESCAPES[c]
+        elif c.isalnum():
+            self.fail(f"the escape \\{c} is not supported")
+        return ("set", False, ((ord(c), ord(c)),))
+
+    def char_class(self):
+        negated = self.peek() == "^"
+        self.i += negated
+        ranges, first = [], True
+        while first or self.peek() != "]":
+            first = False
+            c = self.take()
+            if c == "\\":
+                item = self.escape(in_class=True)
+                if item[1]:
+                    self.fail("a negated escape (\\D, \\W, \\S) inside a class is not supported")
+                if len(item[2]) > 1 or self.peek() != "-":
+                    ranges += item[2]
+                    continue
+                low = item[2][0][0]
+            else:
+                low = ord(c)
+            if self.peek() == "-" and self.text[self.i + 1 : self.i + 2] not in ("]", ""):
+                self.i += 1
+                high = self.take()
+                high = self.escape(in_class=True)[2][0][0] if high == "\\" else ord(high)
+                if high < low:
+                    self.fail("a range runs backwards")
+                ranges.append((low, high))
+            else:
+                ranges.append((low, low))
+        self.i += 1
+        return ("set", negated, tuple(ranges))
+
+    def quantified(self, tree):
+        while True:
+            c = self.peek()
+            if c in ("*", "+", "?"):
+                self.i += 1
+                low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            elif c == "{" and re.match(r"\{\d+(,\d*)?\}", self.text[self.i :]):
+                body = self.text[self.i + 1 : self.text.index("}", self.i)]
+                self.i = self.text.index("}", self.i) + 1
+                low_text, _, high_text = body.partition(",")
+                low = int(low_text)
+                high = low if "," not in body else (int(high_text) if high_text else None)
+                if high is not None and high < low:
+                    self.fail("{m,n} with n < m")
+            else:
+                return tree
+            if self.peek() == "?":
+                self.i += 1  # lazy or greedy: the same set of strings
+            tree = ("rep", tree, low, high)
+
+
+class _NFA:
+    """Thompson's construction: states with epsilon moves and character-set edges; a set of
+    states, closed under epsilon moves, is where a partial match may be."""
+
+    def __init__(self, tree):
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[tuple, int]]] = []
+        first, self.accept = self._build(tree)
+        self.start = self.closure([first])
+        self._steps: dict[tuple[frozenset, int], frozenset] = {}
+
+    def _new(self) -> int:
+        if len(self.eps) >= MAX_REGEX_STATES:
+            raise SchemaError(f"the regex is too large (over {MAX_REGEX_STATES} NFA states)")
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def _build(self, tree) -> tuple[int, int]:
+        kind = tree[0]
+        start = self._new()
+        if kind == "set":
+            end = self._new()
+            self.edges[start].append(((tree[1], tree[2]), end))
+            return start, end
+        if kind == "cat":
+            end = start
+            for item in tree[1]:
+                a, b = self._build(item)
+                self.eps[end].append(a)
+                end = b
+            return start, end
+        if kind == "alt":
+            end = self._new()
+            for item in tree[1]:
+                a, b = self._build(item)
+                self.eps[start].append(a)
+                self.eps[b].append(end)
+            return start, end
+        _, item, low, high = tree  # rep: `low` copies, then optional ones or a loop
+        end = start
+        for _ in range(low):
+            a, b = self._build(item)
+            self.eps[end].append(a)
+            end = b
+        if high is None:
+            a, b = self._build(item)
+            self.eps[end].append(a)
+            self.eps[b].append(a)
+            last = self._new()
+            self.eps[end].append(last)
+            self.eps[b].append(last)
+            return start, last
+        last = self._new()
+        for _ in range(high - low):
+            self.eps[end].append(last)
+            a, b = self._build(item)
+            self.eps[end].append(a)
+            end = b
+        self.eps[end].append(last)
+        return start, last
+
+    def closure(self, states) -> frozenset:
+        seen, todo = set(states), list(states)
+        while todo:
+            for nxt in self.eps[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return frozenset(seen)
+
+    def reads_more(self, states: frozenset) -> bool:
+        return any(self.edges[s] for s in states)
+
+    def may_read(self, states: frozenset, low: int, high: int) -> bool:
+        """Whether some character in [low, high] can be read from `states` (a negated set is
+        taken as open unless one of its ranges covers all of them)."""
+        for s in states:
+            for (negated, ranges), _ in self.edges[s]:
+                if negated:
+                    if not any(lo <= low and high <= hi for lo, hi in ranges):
+                        return True
+                elif any(lo <= high and low <= hi for lo, hi in ranges):
+                    return True
+        return False
+
+    def step(self, states: frozenset, char: int) -> frozenset:
+        key = (states, char)
+        after = self._steps.get(key)
+        if after is None:
+            moved = [t for s in states for (negated, ranges), t in self.edges[s]
+                     if any(lo <= char <= hi for lo, hi in ranges) != negated]  # fmt: skip
+            after = self._steps[key] = self.closure(moved)
+        return after
 
 
 class _Compiler:
@@ -358,6 +613,12 @@ def _expand(stack: tuple, out: set, seen: set) -> None:
     kind = top[0]
     if kind in "ls":
         out.add(stack)
+    elif kind == "x":
+        nfa, states = top[1], top[2]
+        if nfa.reads_more(states) or top[3]:
+            out.add(stack)
+        if not top[3] and nfa.accept in states:  # the match may end here
+            _expand(rest, out, seen)
     elif kind == "n":
         out.add(stack)
         if top[2] in NUMBER_ENDS:
@@ -416,6 +677,8 @@ def _expand_value(node: Node, rest: tuple, out: set, seen: set) -> None:
         out.add(rest + (("o", node, 0, False), _lit(b"{")))
     elif isinstance(node, FreeObj):
         out.add(rest + (("f", node, False), _lit(b"{")))
+    elif isinstance(node, Regex):
+        _expand(rest + (("x", node.nfa, node.nfa.start, b""),), out, seen)
     else:
         raise AssertionError(f"unknown node {node!r}")
 
@@ -499,7 +762,33 @@ def _step(stack: tuple, byte: int) -> tuple | None:
         return rest if i + 1 == len(text) else rest + (("l", text, i + 1),)
     if kind == "s":
         return _step_string(top, rest, byte)
+    if kind == "x":
+        return _step_regex(top, rest, byte)
     return _step_number(top, rest, byte)
+
+
+def _step_regex(top: tuple, rest: tuple, byte: int) -> tuple | None:
+    """A regex reads characters: a multi-byte one's bytes wait in the frame until it is whole."""
+    _, nfa, states, pending = top
+    data = pending + bytes([byte])
+    if data[0] >= 0x80:
+        lead = _utf8_lead(data[0])
+        if lead is None:
+            return None
+        need, lo, hi = lead
+        if len(data) == 2 and not lo <= byte <= hi:
+            return None
+        if len(data) > 2 and not 0x80 <= byte <= 0xBF:
+            return None
+        if len(data) <= need:  # unfinished: go on only if a character it may become matches
+            fill = need + 1 - len(data)
+            low = data + (bytes([lo]) + b"\x80" * (fill - 1) if len(data) == 1 else b"\x80" * fill)
+            high = data + (bytes([hi]) + b"\xbf" * (fill - 1) if len(data) == 1 else b"\xbf" * fill)
+            if not nfa.may_read(states, ord(low.decode()), ord(high.decode())):
+                return None
+            return rest + (("x", nfa, states, data),)
+    after = nfa.step(states, ord(data.decode()))
+    return rest + (("x", nfa, after, b""),) if after else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,6 +883,8 @@ class Vocabulary:
             else:
                 tails.append((data[cut:], t))
         self.tails = _Trie(tails, 0)
+        # every byte is a token of its own, so these spell anything the grammar takes
+        self.short = _Trie([(data, t) for data, t in items if len(data) <= 2], 0)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int) -> "Vocabulary":
@@ -615,6 +906,12 @@ class Vocabulary:
 # ---------------------------------------------------------------------------------------------
 # A compiled grammar (shared by every request with the same schema) and one request's matcher.
 
+
+class _WalkTooLong(Exception):
+    pass
+
+
+MAX_WALK_NODES = 150_000  # trie nodes a mask's walk may visit (~0.3 s), outside string bodies
 MAX_CACHED_MASKS = 2048  # for every grammar together; packed, a 152k vocabulary's is 19 KB
 MAX_CACHED_STEPS = 500_000  # (state, byte) -> state, per grammar; then the memo starts over
 
@@ -685,17 +982,29 @@ class Grammar:
                 allowed |= self.vocab.plain
                 self._walk(self.vocab.tails, stacks, allowed)
             else:
-                self._walk(self.vocab.root, stacks, allowed)
+                try:
+                    self._walk(self.vocab.root, stacks, allowed, [MAX_WALK_NODES])
+                except _WalkTooLong:
+                    # A state that takes nearly anything at a position it never was before (a
+                    # regex's .{0,500}) would cost a walk of the whole vocabulary each step.
+                    # Tokens of one or two bytes can still spell whatever it takes; a mask may
+                    # allow fewer tokens than are valid, never more.
+                    allowed[:] = False
+                    self._walk(self.vocab.short, stacks, allowed)
             packed = self._masks.put(stacks, np.packbits(allowed, bitorder="little"))
         return packed
 
-    def _walk(self, node: _Trie, state: frozenset, allowed: np.ndarray) -> None:
+    def _walk(self, node: _Trie, state: frozenset, allowed: np.ndarray, budget=None) -> None:
         for byte, child in node.children().items():
             nxt = self.advance(state, byte)
             if nxt:
+                if budget is not None:
+                    budget[0] -= 1
+                    if budget[0] < 0:
+                        raise _WalkTooLong
                 if child.ending:
                     allowed[child.ending] = True
-                self._walk(child, nxt, allowed)
+                self._walk(child, nxt, allowed, budget)
 
 
 class GrammarMatcher:
@@ -749,6 +1058,8 @@ def compile_spec(kind: str, spec: Any) -> Node:
         root = ANY_OBJ
     elif kind == "choice":
         root = compile_choice(spec)
+    elif kind == "regex":
+        root = compile_regex(spec)
     else:
         raise SchemaError(f"unknown structured output kind {kind!r}")
     if not start_state(root):

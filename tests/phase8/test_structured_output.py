@@ -9,6 +9,7 @@ token while this step's forward runs) and off.
 
 import json
 import random
+import re
 import shutil
 
 import httpx
@@ -118,6 +119,40 @@ def test_the_grammar_takes_exactly_the_schemas_documents(text, ok):
         json.loads(text)
 
 
+REGEXES = {
+    r"\d{3}-\d{4}": ["555-1234", "55-1234", "555-12345"],
+    r"(cat|dog)s?": ["cat", "dogs", "cow", ""],
+    r"[A-Z][a-z]*( [A-Z][a-z]*)*": ["Hello World", "hello", "Hello  World"],
+    r".{2,3}": ["ab", "é日", "a", "abcd", "a\nb"],
+    r"[^0-9\n]+x": ["abx", "a1x", "日x"],
+    r"a\.b|\w+@\w+\.com": ["a.b", "axb", "me@x.com"],
+    r"^(?:ab)+$": ["abab", "aba", ""],
+    r"[\w.-]+": ["a.b-c_d", "a b"],
+    r"[\t-\r]{2}x?": ["\t\n", "\n\rx", "ab"],
+    r"(?P<year>\d{4})-(0[1-9]|1[0-2])": ["2024-07", "2024-13"],
+}
+
+
+@pytest.mark.parametrize("pattern", list(REGEXES))
+def test_a_regex_takes_what_python_fullmatches(pattern):
+    grammar = so.Grammar(so.compile_spec("regex", pattern), so.Vocabulary({}, 8))
+    for text in REGEXES[pattern]:
+        matched = () in feed(grammar, text.encode())
+        assert matched == bool(re.fullmatch(pattern, text)), (pattern, text)
+
+
+@pytest.mark.parametrize(
+    "pattern, words",
+    [("(?=a)b", "lookarounds"), (r"(a)\1", "escape \\1"), ("a{3,1}", "n < m"),
+     ("[z-a]", "backwards"), ("*a", "repeats nothing"), ("(ab", "not closed"),
+     ("a{1000}{1000}", "too large"), ("", "non-empty")],
+)  # fmt: skip
+def test_regexes_it_cannot_enforce_are_refused(pattern, words):
+    with pytest.raises(so.SchemaError) as raised:
+        so.compile_spec("regex", pattern)
+    assert words in str(raised.value)
+
+
 def test_utf8_is_checked_byte_by_byte():
     grammar = so.Grammar(so.compile_json_schema({"type": "string"}), so.Vocabulary({}, 8))
     for good in ("é", "日", "😀"):
@@ -197,12 +232,16 @@ def brute_force_mask(grammar: so.Grammar, state: frozenset) -> np.ndarray:
     return allowed
 
 
-@pytest.mark.parametrize("kind", ["schema", "json_object"])
+@pytest.mark.parametrize("kind", ["schema", "json_object", "regex"])
 def test_masks_equal_brute_force_over_qwen3s_vocabulary(kind, qwen3_vocab):
     """Random walks through the grammar (each step a token its mask allows), the mask checked
     against feeding every one of the 151,643 tokens on its own every few steps: the trie walk,
     the plain-string shortcut and the caches change nothing."""
-    node = so.compile_json_schema(PERSON) if kind == "schema" else so.ANY_OBJ
+    node = {
+        "schema": so.compile_json_schema(PERSON),
+        "json_object": so.ANY_OBJ,
+        "regex": so.compile_regex(r"[A-Z][a-zé]{0,9}( [0-9]+| [a-z]+){1,5}\."),
+    }[kind]
     grammar = so.Grammar(node, qwen3_vocab)
     rng = random.Random(0)
     checked = 0
@@ -218,7 +257,20 @@ def test_masks_equal_brute_force_over_qwen3s_vocabulary(kind, qwen3_vocab):
                 break
             tokens.append(int(rng.choice(np.flatnonzero(allowed))))
             matcher.read(tokens, frozenset())
-    assert checked >= 4  # a walk ends early where its document is complete
+    assert checked >= 3  # a walk ends early where its document is complete
+
+
+def test_a_walk_too_long_falls_back_to_short_tokens(qwen3_vocab):
+    """`.*x` takes nearly every token at every position: a whole-vocabulary walk per new state
+    would stall every request's step. Past its budget the walk keeps to tokens of one or two
+    bytes: fewer tokens than are valid, none that is not, every byte still reachable."""
+    grammar = so.Grammar(so.compile_regex(r".*x"), qwen3_vocab)
+    allowed = so.unpack_masks(grammar.mask(grammar.start), qwen3_vocab.vocab_size)
+    valid = brute_force_mask(grammar, grammar.start)
+    assert not (allowed & ~valid).any() and allowed.sum() < valid.sum() / 10
+    assert all(len(qwen3_vocab.token_bytes[t]) <= 2 for t in np.flatnonzero(allowed))
+    singles = [t for t, data in qwen3_vocab.token_bytes.items() if len(data) == 1]
+    assert (allowed[singles] == valid[singles]).all() and valid[singles].sum() > 100
 
 
 def test_a_complete_value_allows_only_stop_tokens(qwen3_vocab):
@@ -269,6 +321,7 @@ def test_random_model_writes_the_schema_only_under_the_grammar(llms):
     params = [structured(i, json=SHORT) for i in range(4)] + [
         structured(10, json_object=True),
         structured(11, choice=["yes", "no", "yes, with a comma"]),
+        structured(12, regex=r"[A-Z][a-z]{1,6}-\d{2,3}( [a-z]+)?"),
         SamplingParams(temperature=1.0, seed=1, max_tokens=40),  # the same model, no grammar
         plain,
     ]
@@ -282,10 +335,11 @@ def test_random_model_writes_the_schema_only_under_the_grammar(llms):
             assert conforms(json.loads(out.text), SHORT), out.text
         assert outs[4].finish_reason == "length" or isinstance(json.loads(outs[4].text), dict)
         assert outs[5].text in ("yes", "no", "yes, with a comma")
+        assert re.fullmatch(r"[A-Z][a-z]{1,6}-\d{2,3}( [a-z]+)?", outs[6].text), outs[6].text
         with pytest.raises(json.JSONDecodeError):
-            json.loads(outs[6].text)  # without a grammar this model writes no JSON
+            json.loads(outs[7].text)  # without a grammar this model writes no JSON
         alone = llm.generate(["Answer:"], plain, use_tqdm=False)[0].outputs[0].text
-        assert outs[7].text == alone  # its neighbours' masks never touched its row
+        assert outs[8].text == alone  # its neighbours' masks never touched its row
         assert not llm.engine.runner.matchers  # released with their requests
     assert texts[False] == texts[True]
     assert len(set(texts[False][:4])) == 4  # different seeds, different documents
@@ -379,6 +433,9 @@ def test_the_server_takes_json_object_and_choices(http):
                            response_format={"type": "json_object"}), "chat"):  # fmt: skip
         assert text.startswith("{")  # a random model may be cut mid-object by max_tokens
     options = ["red", "green", "light blue"]
+    for text in texts(post(http, "completions", n=3, seed=3, temperature=1.0, max_tokens=20,
+                           guided_regex=r"[a-c]{2}\d"), "completions"):  # fmt: skip
+        assert re.fullmatch(r"[a-c]{2}\d", text)
     for field in ({"structured_outputs": {"choice": options}}, {"guided_choice": options}):
         for text in texts(post(http, "completions", n=4, seed=2, temperature=1.0, max_tokens=20,
                                **field), "completions"):  # fmt: skip
@@ -404,7 +461,8 @@ BAD = {
     "unknown type": ({"response_format": {"type": "xml"}}, "response_format"),
     "two ways": ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
                  "one way"),
-    "regex": ({"structured_outputs": {"regex": "a+"}}, "regex"),
+    "grammar": ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "grammar"),
+    "a lookahead": ({"structured_outputs": {"regex": "(?=a)a"}}, "lookarounds"),
     "none given": ({"structured_outputs": {}}, "exactly one"),
     "empty choice": ({"structured_outputs": {"choice": []}}, "non-empty"),
     "with min_tokens": ({"response_format": {"type": "json_object"}, "min_tokens": 2},
