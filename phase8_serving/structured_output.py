@@ -1,5 +1,6 @@
-"""Structured outputs: a reply that is valid JSON (any object, or one a JSON schema describes), or
-exactly one of a list of choices, whatever the model would rather write.
+"""Structured outputs: a reply that is valid JSON (any object, or one a JSON schema describes),
+exactly one of a list of choices, or text a regular expression matches, whatever the model would
+rather write.
 
 Problem: a program that asks a model for JSON must parse the reply. Even a good model sometimes
 adds prose around it, a trailing comment, a missing brace; a small one rarely writes valid JSON at
@@ -27,6 +28,7 @@ order, each required one present, optional ones possibly left out, no others; st
 UTF-8 with JSON's escapes. JSON Schema keywords that constrain what this grammar does not check
 (pattern, minLength, minimum, ...) are refused with an error naming them, never silently ignored;
 annotations (title, description, default, format, ...) are ignored, as the standard allows.
+A regex becomes a Thompson NFA over characters whose frame gathers a character's UTF-8 bytes.
 """
 
 import json
