@@ -489,7 +489,7 @@ class ChatCompletionRequest(SamplingRequest):
     # the deprecated spelling of tools: accepted only when it asks for nothing
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None  # only "none"
-    parallel_tool_calls: bool | None = None  # accepted; several calls may come either way
+    parallel_tool_calls: bool | None = None  # false: `required` makes one call (auto: the model's)
 
     @field_validator("functions")
     @classmethod
@@ -549,7 +549,8 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError("tool_choice names a function that is not among the tools")
             schema = named_schema(function.parameters)
         else:
-            schema = required_schema([t.function.model_dump() for t in self.tools])
+            functions = [t.function.model_dump() for t in self.tools]
+            schema = required_schema(functions, self.parallel_tool_calls is not False)
         return StructuredOutputsParams(json=schema)
 
     @model_validator(mode="after")

@@ -38,8 +38,9 @@ def named_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return parameters if parameters else {"type": "object"}
 
 
-def required_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
-    """A JSON array of calls, one tool's name and arguments in each."""
+def required_schema(functions: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """A JSON array of calls, one tool's name and arguments in each (one call only unless
+    `parallel`: OpenAI's parallel_tool_calls)."""
     calls = [
         {
             "type": "object",
@@ -52,7 +53,7 @@ def required_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
         for f in functions
     ]
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {"type": "array", "minItems": 1, "items": items}
+    return {"type": "array", "minItems": 1, "items": items, **({} if parallel else {"maxItems": 1})}
 
 
 def call(index: int, name: str, arguments: str) -> dict[str, Any]:

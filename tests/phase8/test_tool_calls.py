@@ -86,6 +86,27 @@ def test_named_and_required_replies():
     assert parse_required('[{"name":"w","param') is None  # cut by max_tokens
 
 
+def test_required_calls_follow_parallel_tool_calls():
+    """`required` is an array of calls; parallel_tool_calls=false makes it one call."""
+    from phase8_serving import structured_output as so
+
+    def accepts(parallel, text):
+        body = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                     parallel_tool_calls=parallel)  # fmt: skip
+        params = body.structured_outputs_params()
+        grammar = so.Grammar(so.compile_spec(params.kind, params.spec), so.Vocabulary({}, 8))
+        state = grammar.start
+        for byte in text.encode():
+            state = grammar.advance(state, byte)
+        return () in state
+
+    two = '[{"name":"n","parameters":{}},{"name":"w","parameters":{"c":"P","d":true}}]'
+    assert accepts(None, two) and accepts(True, two) and not accepts(False, two)
+    assert accepts(False, '[{"name":"n","parameters":{}}]')
+    assert not accepts(None, '[{"name":"x","parameters":{}}]')  # not a tool
+    assert not accepts(None, "[]")  # at least one
+
+
 def test_tools_reach_the_chat_template():
     """Qwen3's template lists the tools in a system turn and renders a history's calls and
     tool results."""
