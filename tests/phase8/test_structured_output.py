@@ -345,6 +345,16 @@ def test_random_model_writes_the_schema_only_under_the_grammar(llms):
     assert len(set(texts[False][:4])) == 4  # different seeds, different documents
 
 
+def test_an_aborted_request_lets_go_of_its_matcher(llms):
+    engine = llms[False].engine
+    engine.add_request("Answer:", structured(1, json=PERSON), request_id="leaves")
+    for _ in range(3):
+        engine.step()
+    assert len(engine.runner.matchers) == 1
+    engine.abort_request("leaves")
+    assert not engine.runner.matchers
+
+
 def test_long_strings_and_numbers_stay_valid_until_cut(llms, qwen3_vocab):
     """A random model rarely closes a string: the reply may end at max_tokens, but every prefix
     it writes is a prefix of a document of the schema."""
