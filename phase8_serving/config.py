@@ -314,8 +314,13 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False  # usage says how many prompt tokens were cached
     enable_dashboard: bool = True  # GET /dashboard
     model_root: str | None = None  # the checkpoint model_name serves (the model card's root)
+    reasoning_parser: str | None = None  # "qwen3", "deepseek_r1": chats' reasoning_content
 
     def __post_init__(self):
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError(
+                f"reasoning_parser must be qwen3 or deepseek_r1, got {self.reasoning_parser!r}"
+            )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         for name in ("max_request_body_bytes", "max_choices_per_request"):

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 from .logprobs import TokenLogprobs
+from .reasoning import ReasoningStream
 from .streaming import OutputDelta
 from .tokenizer import Tokenizer
 from .tool_calls import ToolCallStream
@@ -63,17 +64,45 @@ class ChoiceStream:
         self.num_token_chars = 0  # characters of the tokens with logprobs so far
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        # a chat with tools: its text becomes content and tool calls (tool_calls.py)
+        # a chat's text split into reasoning (reasoning.py), content and tool calls
+        # (tool_calls.py), when the server reads reasoning or the request has tools
+        self.reasoning: ReasoningStream | None = None
         self.tools: ToolCallStream | None = None
-        self.tool_calls: list[dict] | None = None  # the response's, once `end_tools` ran
-        self.content: str | None = None  # likewise
+        self.message: dict | None = None  # the response's message, once `end_chat` ran
 
-    def end_tools(self) -> None:
-        """A response's content and tool calls from the whole text; "tool_calls" ends it when
-        the model called (auto, required)."""
-        self.content, self.tool_calls = self.tools.message(self.text)
-        if self.tools.called:
-            self.finish_reason = "tool_calls"
+    @property
+    def splits(self) -> bool:
+        return self.reasoning is not None or self.tools is not None
+
+    def end_chat(self) -> None:
+        """The response's message from the whole text; "tool_calls" ends it when the model
+        called (auto, required)."""
+        reasoning, content = None, self.text
+        message = {"role": "assistant"}
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(self.text)
+            message["reasoning_content"] = reasoning
+        message["content"] = content
+        if self.tools is not None:
+            message["content"], message["tool_calls"] = self.tools.message(content)
+            if self.tools.called:
+                self.finish_reason = "tool_calls"
+        self.message = message
+
+    def split_delta(self, text: str, finished: bool) -> dict:
+        """A stream's delta fields for new text: reasoning, content, tool calls."""
+        fields, reasoning = {}, ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text, finished)
+            if reasoning:
+                fields["reasoning_content"] = reasoning
+        if self.tools is not None:
+            text, calls = self.tools.feed(text, finished)
+            if calls:
+                fields["tool_calls"] = calls
+        if text:
+            fields["content"] = text
+        return fields
 
     def add(self, delta: OutputDelta, prompt_logprobs: dict | None = None) -> OutputDelta | None:
         """Adds a delta to the totals; returns it as it is to be sent (with the echo, the first
@@ -253,9 +282,7 @@ def chat_response(meta: dict, choices: Sequence[ChoiceStream], usage_: dict) -> 
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text}
-                if c.tools is None
-                else {"role": "assistant", "content": c.content, "tool_calls": c.tool_calls},
+                "message": c.message or {"role": "assistant", "content": c.text},
                 "logprobs": None if c.logprobs is None else chat_logprobs(c, c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -290,17 +317,15 @@ def first_prompt_logprobs(choice: ChoiceStream) -> dict:
 
 
 def chat_chunk(meta: dict, choice: ChoiceStream, delta: OutputDelta) -> dict | None:
-    """A chat choice's chunk for `delta`; None when a chat with tools holds all of it back."""
+    """A chat choice's chunk for `delta`; None when a split chat (reasoning, tools) holds all of
+    it back for now."""
     logprobs = None if delta.logprobs is None else chat_logprobs(choice, delta.logprobs)
     finish = delta.finish_reason
-    if choice.tools is None:
+    if not choice.splits:
         content = {"content": delta.text} if delta.text or not finish else {}
-    else:  # content up to a tool call; the calls as they parse (tool_calls.py)
-        text, calls = choice.tools.feed(delta.text, finished=finish is not None)
-        content = {"content": text} if text else {}
-        if calls:
-            content["tool_calls"] = calls
-        if finish is not None and choice.tools.called:
+    else:  # reasoning up to </think>, content up to a tool call, the calls as they parse
+        content = choice.split_delta(delta.text, finished=finish is not None)
+        if finish is not None and choice.tools is not None and choice.tools.called:
             finish = "tool_calls"
         if not content and finish is None and logprobs is None:
             return None

@@ -64,6 +64,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage reports the prompt tokens found in the prefix cache "
                         "(prompt_tokens_details.cached_tokens; vLLM's flag)")  # fmt: skip
+    p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                   help="chats carry a thinking model's <think> text as reasoning_content "
+                        "(vLLM's flag)")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access log even with --enable-log-requests (vLLM's flag)")  # fmt: skip
     p.add_argument(
@@ -122,6 +125,7 @@ def serve(args: argparse.Namespace) -> None:
             enable_log_requests=args.enable_log_requests,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             enable_dashboard=not args.disable_dashboard, model_root=args.model,
+            reasoning_parser=args.reasoning_parser,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)

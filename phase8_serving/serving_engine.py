@@ -46,6 +46,7 @@ from .protocol import (
     TokenizeRequest,
     error_body,
 )
+from .reasoning import ReasoningStream
 from .responses import (
     ChoiceStream,
     chat_chunk,
@@ -147,6 +148,8 @@ class OpenAIServing:
             if chat and body.tool_mode != "none":
                 function = body.tool_function()
                 choices[-1].tools = ToolCallStream(body.tool_mode, function and function.name)
+            if chat and self.config.reasoning_parser is not None:
+                choices[-1].reasoning = ReasoningStream(self.config.reasoning_parser)
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
             events = self._events(stream, choices, meta, body, prompts, chat)
@@ -161,8 +164,8 @@ class OpenAIServing:
             logger.info("%s: the client disconnected; its requests were aborted", request_id)
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         for choice in choices:
-            if choice.tools is not None:
-                choice.end_tools()
+            if choice.splits:
+                choice.end_chat()
         build = chat_response if chat else completion_response
         cached = self._cached_tokens(stream, body, range(len(prompts)))
         return FastJSONResponse(build(meta, choices, usage(prompts, choices, cached)))
