@@ -264,7 +264,8 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
         port = s.getsockname()[1]  # free now; the server binds it right after
     command = [sys.executable, "-m", "phase8_serving", "serve", str(tiny_dir), "--port", str(port),
                "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu",
-               "--num-kv-blocks", "24", "--enable-prompt-tokens-details"]  # fmt: skip
+               "--num-kv-blocks", "24", "--enable-prompt-tokens-details",
+               "--reasoning-parser", "qwen3"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -278,6 +279,11 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
         assert client.models.retrieve("tiny").root == str(tiny_dir)  # the name's checkpoint
         usage = client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage
         assert usage.prompt_tokens_details.cached_tokens == 0  # the flag reached the server
+        thinking = {"structured_outputs": {"regex": "<think>[a-z]{2}</think>[a-z]{2}"}}
+        message = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], extra_body=thinking
+        ).choices[0].message
+        assert len(message.reasoning_content) == 2 and len(message.content) == 2  # so did this
     finally:
         server.terminate()
         server.wait(timeout=30)
