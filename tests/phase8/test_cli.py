@@ -280,9 +280,13 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
         usage = client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage
         assert usage.prompt_tokens_details.cached_tokens == 0  # the flag reached the server
         thinking = {"structured_outputs": {"regex": "<think>[a-z]{2}</think>[a-z]{2}"}}
-        message = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hi"}], extra_body=thinking
-        ).choices[0].message
+        message = (
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], extra_body=thinking
+            )
+            .choices[0]
+            .message
+        )
         assert len(message.reasoning_content) == 2 and len(message.content) == 2  # so did this
     finally:
         server.terminate()
