@@ -16,7 +16,8 @@ it is complete (vLLM does this with xgrammar; this file is the same idea, small 
   regular expression's NFA. Frames are tuples, so states hash and each step is memoized.
 - A token is allowed when its bytes, fed one by one, leave some stack alive. Walking a trie of
   the vocabulary does all tokens at once: a prefix the grammar rejects prunes every token under
-  it. Masks are cached per stack; a state's mask is the union of its stacks'.
+  it. Masks are cached (a stack says all that may follow it, so grammars share them); a walk that
+  grows too long keeps to tokens of one or two bytes, which can still spell anything.
 - Inside a string almost every token is allowed, and a walk of the whole trie would visit
   ~150k tokens. But a token of plain string bytes (no quote, backslash or control byte; whole
   UTF-8 characters) leaves a string's stack as it was, so those come from one precomputed mask,
@@ -587,6 +588,7 @@ class _Compiler:
 #   ("o", node, index, wrote)  an object whose properties before `index` are written
 #   ("f", node, wrote)      a free object: ',' and another member, or '}'
 #   ("w",)                  an optional space
+#   ("x", nfa, states, pending)  a regex: its NFA's states, a character's first UTF-8 bytes
 
 STRING_BODY = ("s", 0, 0, 0x80, 0xBF)
 SPACE = ("w",)
