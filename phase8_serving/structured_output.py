@@ -959,16 +959,28 @@ class Grammar:
         return nxt
 
     def advance_token(self, state: frozenset, token: int) -> frozenset:
-        for byte in self.vocab.token_bytes.get(token, b""):
-            state = self.advance(state, byte)
-            if not state:
-                break
-        return state
+        key = (state, -1 - token)  # beside the bytes' keys: one lookup per token read again
+        after = self._advance.get(key)
+        if after is None:
+            after = state
+            for byte in self.vocab.token_bytes.get(token, b""):
+                after = self.advance(after, byte)
+                if not after:
+                    break
+            self._advance[key] = after
+        return after
 
     def mask(self, state: frozenset) -> np.ndarray:
         """Packed bits (little-endian within a byte) of the tokens `state` may read next: the
         union of what its stacks allow. A stack in a string's body has a mask of its own (the
-        plain-string shortcut); the others are walked together, one walk for an enum of 1,000."""
+        plain-string shortcut); the others are walked together, one walk for an enum of 1,000.
+        The union is kept by state too: a step's rows mostly come back to states seen before."""
+        packed = self._masks.get(state)
+        if packed is None:
+            packed = self._masks.put(state, self._union(state))
+        return packed
+
+    def _union(self, state: frozenset) -> np.ndarray:
         strings = [s for s in state if s and s[-1] == STRING_BODY]
         others = frozenset(s for s in state if s and s[-1] != STRING_BODY)
         masks = [self._cached(frozenset([s]), string=True) for s in strings]
