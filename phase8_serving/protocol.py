@@ -522,7 +522,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def tool_mode(self) -> str:
-        """ "none", "auto", "required" or "named"."""
+        """How tools are used: "none", "auto", "required" or "named"."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
         if self.tool_choice is None:
