@@ -87,11 +87,13 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]] | None:
 
 
 def parse_required(text: str) -> list[dict] | None:
+    """A `required` reply (an array of {"name", "parameters"}) -> its calls; None if it does not
+    parse as one (cut by max_tokens)."""
     try:
-        found = json.loads(text)
-    except json.JSONDecodeError:
-        return None  # cut by max_tokens
-    return [call(i, c["name"], _arguments(c["parameters"])) for i, c in enumerate(found)]
+        return [call(i, c["name"], _arguments(c["parameters"]))
+                for i, c in enumerate(json.loads(text))]  # fmt: skip
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 class ToolCallStream:
