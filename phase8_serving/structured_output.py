@@ -1108,4 +1108,6 @@ class GrammarCache:
 
 
 def unpack_masks(packed: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Packed masks (..., ceil(V / 8)) -> bools (..., V), on the host (the runner unpacks on the
+    device instead; this is for reading a mask)."""
     return np.unpackbits(packed, axis=-1, count=vocab_size, bitorder="little").astype(bool)
