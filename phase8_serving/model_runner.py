@@ -419,13 +419,14 @@ class ModelRunner:
             if matcher is None:
                 matcher = self.grammars.matcher(structured.kind, structured.spec)
                 self.matchers[seq.seq_id] = matcher
-            tokens = seq.output_token_ids
+            # the tokens it has not read (not the whole output again: a step per token)
+            new = seq.token_ids[seq.num_prompt_tokens + matcher.num_read :]
             if seq.num_output_placeholders:  # sampled by `previous`: wait for its copy
                 if previous_tokens is None:
                     previous_tokens = previous.tolist()
-                tokens = tokens + [previous_tokens[previous.row_of[seq.seq_id]]]
+                new.append(previous_tokens[previous.row_of[seq.seq_id]])
             stops = self.eos_token_ids | frozenset(seq.params.stop_token_ids)
-            matcher.read(tokens, stops)
+            matcher.read_new(new, stops)
             rows.append(r)
             masks.append(matcher.mask(stops))  # bit t (little-endian): token t is allowed
         V = logits.shape[-1]

@@ -1037,9 +1037,14 @@ class GrammarMatcher:
         return () in self.state
 
     def read(self, tokens: list[int], stop_tokens: frozenset[int]) -> None:
-        """Reads the output tokens past `num_read`. After a complete value only stop tokens
-        (EOS) come; any token the grammar rejects is a bug in the masking (AssertionError)."""
-        for token in tokens[self.num_read :]:
+        """Reads the output tokens (all of them so far) past `num_read`."""
+        self.read_new(tokens[self.num_read :], stop_tokens)
+
+    def read_new(self, new_tokens: list[int], stop_tokens: frozenset[int]) -> None:
+        """Reads the output tokens that follow the `num_read` read so far. After a complete
+        value only stop tokens (EOS) come; any token the grammar rejects is a bug in the
+        masking (AssertionError)."""
+        for token in new_tokens:
             if token in stop_tokens and (self.is_complete or self.dead_end):
                 pass  # the reply ends here (or, under ignore_eos, goes on with stop tokens)
             else:
