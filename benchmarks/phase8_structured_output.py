@@ -14,7 +14,11 @@ allows alone), so every batch runs all its requests to max_tokens: the same step
 sizes, on both sides. One untimed batch first compiles the kernels; `none` is measured first and
 last. On a GPU the model is Qwen3-0.6B's shape
 in bf16 with CUDA graphs and overlap scheduling; on a CPU a 2-layer model with Qwen3's vocabulary.
-Run: python -m benchmarks.phase8_structured_output [--quick] [--out DIR]
+`--host-costs` measures only the host's side, no model (phase8_structured_output_host.json):
+building Qwen3's vocabulary as bytes, a JSON string's first mask, the first mask of `.*x` (a walk
+that runs out of budget), and a warm step of 64 json_object rows replayed (each row reads its
+token and takes its mask; the masks stacked, as the runner does).
+Run: python -m benchmarks.phase8_structured_output [--quick] [--host-costs] [--out DIR]
 """
 
 import json
@@ -44,11 +48,18 @@ CPU_MODEL = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_h
 
 
 def build_parser():
-    return benchmark_parser(__doc__)
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--host-costs", action="store_true", help="only the host's mask costs")
+    return parser
 
 
 def main() -> None:
     args = parse_args(build_parser())
+    if args.host_costs:
+        payload = host_costs()
+        print(json.dumps(payload, indent=1))
+        print(f"wrote {write_result('phase8_structured_output_host', payload, args.out)}")
+        return
     gpu = torch.cuda.is_available()
     batch, max_tokens = (64, 128) if gpu and not args.quick else (8, 32)
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,6 +83,50 @@ def main() -> None:
     payload = {"device": device, "batch": batch, "max_tokens": max_tokens, "schema": SCHEMA,
                "rows": rows, "quick": args.quick}  # fmt: skip
     print(f"wrote {write_result('phase8_structured_output', payload, args.out)}")
+
+
+def host_costs(rows: int = 64, steps: int = 100) -> dict:
+    import random
+
+    import numpy as np
+
+    from phase8_serving import structured_output as so
+    from phase8_serving.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(assets.qwen3_tokenizer_dir())
+    eos = frozenset(tokenizer.eos_token_ids)
+    start = time.perf_counter()
+    vocab = so.Vocabulary.from_tokenizer(tokenizer, CPU_MODEL["vocab_size"])
+    result = {"vocabulary_s": time.perf_counter() - start}
+    string = so.Grammar(so.compile_json_schema({"type": "string"}), vocab)
+    in_string = string.advance(string.start, ord('"'))
+    start = time.perf_counter()
+    string.mask(in_string)
+    result["first_string_mask_s"] = time.perf_counter() - start
+    anything = so.Grammar(so.compile_regex(r".*x"), vocab)
+    start = time.perf_counter()
+    anything.mask(anything.start)
+    result["first_dot_star_mask_s"] = time.perf_counter() - start
+    cache = so.GrammarCache(lambda: vocab)
+    rng, outputs = random.Random(0), [[] for _ in range(rows)]
+    matchers = [cache.matcher("json_object", True) for _ in range(rows)]
+    for _ in range(steps):  # random documents; every mask they need is now cached
+        for matcher, out in zip(matchers, outputs, strict=True):
+            matcher.read(out, eos)
+            allowed = so.unpack_masks(matcher.mask(eos), vocab.vocab_size)
+            out.append(int(rng.choice(np.flatnonzero(allowed))))
+    matchers = [cache.matcher("json_object", True) for _ in range(rows)]
+    start = time.perf_counter()
+    for step in range(steps):
+        masks = []
+        for matcher, out in zip(matchers, outputs, strict=True):
+            matcher.read_new(out[step : step + 1], eos)
+            masks.append(matcher.mask(eos))
+        np.stack(masks)
+    seconds = time.perf_counter() - start
+    result.update(rows=rows, warm_step_ms=1e3 * seconds / steps,
+                  warm_row_us=1e6 * seconds / steps / rows)  # fmt: skip
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
 
 
 def write_model(directory: Path, gpu: bool) -> Path:
