@@ -268,3 +268,12 @@ def test_the_kernels_load_without_the_engine():
 
 def test_the_engine_imports_without_triton():
     run_python(WITHOUT_TRITON.format(phases=LAYERED_PHASES))
+
+
+def test_the_suite_takes_one_worker_per_core_up_to_four(monkeypatch):
+    """`pytest -n auto` (the README's test command) asks tests/conftest.py how many workers."""
+    from tests import conftest
+
+    for cores, workers in [(None, 1), (1, 1), (2, 2), (16, conftest.MAX_WORKERS)]:
+        monkeypatch.setattr(conftest.os, "cpu_count", lambda cores=cores: cores)
+        assert conftest.pytest_xdist_auto_num_workers(None) == workers
