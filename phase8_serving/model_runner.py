@@ -408,8 +408,9 @@ class ModelRunner:
         self, logits: torch.Tensor, seqs: list[Sequence], previous: SampledTokens | None
     ) -> torch.Tensor:
         """logits (R, V) -> float32 logits where each row under a grammar keeps only the tokens
-        it allows next (its stop tokens too, once the value is complete); the others unchanged.
-        Each matcher first reads the row's tokens it has not read, a placeholder's included."""
+        it allows next (its stop tokens too, once the value is complete); the others unchanged
+        (and the logits as they came if every such row is thinking). Each matcher first reads
+        the row's tokens it has not read, a placeholder's included."""
         rows, masks, previous_tokens = [], [], None
         for r, seq in enumerate(seqs):
             structured = seq.params.structured_outputs
@@ -417,7 +418,9 @@ class ModelRunner:
                 continue
             matcher = self.matchers.get(seq.seq_id)
             if matcher is None:
-                matcher = self.grammars.matcher(structured.kind, structured.spec)
+                matcher = self.grammars.matcher(
+                    structured.kind, structured.spec, structured.reasoning
+                )
                 self.matchers[seq.seq_id] = matcher
             # the tokens it has not read (not the whole output again: a step per token)
             new = seq.token_ids[seq.num_prompt_tokens + matcher.num_read :]
@@ -427,8 +430,12 @@ class ModelRunner:
                 new.append(previous_tokens[previous.row_of[seq.seq_id]])
             stops = self.eos_token_ids | frozenset(seq.params.stop_token_ids)
             matcher.read_new(new, stops)
-            rows.append(r)
-            masks.append(matcher.mask(stops))  # bit t (little-endian): token t is allowed
+            mask = matcher.mask(stops)  # bit t (little-endian): token t is allowed
+            if mask is not None:  # None: a thinking model's thoughts, free
+                rows.append(r)
+                masks.append(mask)
+        if not rows:
+            return logits
         V = logits.shape[-1]
         to = lambda x: torch.from_numpy(x).to(self.device, non_blocking=True)  # noqa: E731
         packed = to(np.stack(masks))  # (G, ceil(V / 8)) uint8: 8x fewer bytes than bools

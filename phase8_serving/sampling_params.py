@@ -69,12 +69,15 @@ def _check_spec(kind: str, canonical: str) -> None:
 class StructuredOutputsParams:
     """vLLM's: what the reply must be, exactly one of: `json`, a JSON schema (a dict, or its JSON
     text); `json_object=True`, any JSON object; `choice`, one of these strings; `regex`, a
-    regular expression the whole reply matches."""
+    regular expression the whole reply matches. `reasoning` (a reasoning parser: "qwen3",
+    "deepseek_r1"; the server sets it on chats under --reasoning-parser): the reply's thoughts,
+    up to `</think>`, stay free, and the grammar applies to the answer after them."""
 
     json: Any = None
     choice: tuple[str, ...] | None = None
     json_object: bool | None = None
     regex: str | None = None
+    reasoning: str | None = None
 
     def __post_init__(self):
         kinds = ("json", "choice", "json_object", "regex")
@@ -87,6 +90,11 @@ class StructuredOutputsParams:
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(
                 f"StructuredOutputsParams.json_object must be true, got {self.json_object!r}"
+            )
+        if self.reasoning not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError(
+                "StructuredOutputsParams.reasoning must be qwen3 or deepseek_r1, "
+                f"got {self.reasoning!r}"
             )
         if isinstance(self.json, str):
             try:

@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -266,13 +267,18 @@ class OpenAIServing:
         """All engine requests of this HTTP request, admitted in one message; choice index =
         prompt index * n + choice."""
         expanded, params = [], []
+        # a chat's thoughts are read apart (reasoning.py): a grammar waits until they end
+        thinks = isinstance(body, ChatCompletionRequest) and self.config.reasoning_parser
         try:
             for prompt in prompts:
                 for choice in range(body.n):
                     expanded.append(prompt)
-                    params.append(
-                        body.sampling_params(len(prompt), self.config.max_model_len, choice)
-                    )
+                    sampling = body.sampling_params(len(prompt), self.config.max_model_len, choice)
+                    if thinks and sampling.structured_outputs is not None:
+                        structured = replace(sampling.structured_outputs,
+                                             reasoning=self.config.reasoning_parser)  # fmt: skip
+                        sampling = replace(sampling, structured_outputs=structured)
+                    params.append(sampling)
             return await self.llm.add_requests(request_id, expanded, params)
         except InvalidRequest:
             raise

@@ -30,6 +30,8 @@ UTF-8 with JSON's escapes. JSON Schema keywords that constrain what this grammar
 (pattern, minLength, minimum, ...) are refused with an error naming them, never silently ignored;
 annotations (title, description, default, format, ...) are ignored, as the standard allows.
 A regex becomes a Thompson NFA over characters whose frame gathers a character's UTF-8 bytes.
+Under a reasoning parser a chat's grammar starts after the model's `</think>` (`ReasoningGate`):
+the thoughts stay free, as in vLLM.
 """
 
 import json
@@ -39,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .reasoning import THINK_END, THINK_START
 
 # Keywords that describe without constraining (JSON Schema 2020-12 treats `format` so too).
 ANNOTATIONS = frozenset({
@@ -871,9 +875,12 @@ class Vocabulary:
     """A tokenizer's tokens as bytes, for the grammar: special tokens never match (EOS is
     allowed separately, once the value is complete)."""
 
-    def __init__(self, token_bytes: dict[int, bytes], vocab_size: int):
+    def __init__(
+        self, token_bytes: dict[int, bytes], vocab_size: int, added: dict[str, int] | None = None
+    ):
         self.vocab_size = vocab_size  # the LM head's width: a mask covers it all
         self.token_bytes = token_bytes
+        self.added = added or {}  # the added tokens' texts (`</think>`) -> their ids
         items = [(data, t) for t, data in token_bytes.items() if data and t < vocab_size]
         self.root = _Trie(items, 0)
         # in a string: tokens of plain bytes keep its stack as it is; the rest, walked from
@@ -895,7 +902,8 @@ class Vocabulary:
         check_byte_level(tokenizer)
         backend = tokenizer.backend
         to_byte = _byte_decoder()
-        special = set(backend.get_added_tokens_decoder())
+        added = backend.get_added_tokens_decoder()
+        special = set(added)
         token_bytes = {}
         for text, t in backend.get_vocab(with_added_tokens=False).items():
             if t in special:
@@ -904,7 +912,8 @@ class Vocabulary:
                 token_bytes[t] = bytes(to_byte[c] for c in text)
             except KeyError:
                 continue  # not a byte-level token: never generated under a grammar
-        return cls(token_bytes, vocab_size)
+        tags = {token.content: t for t, token in added.items() if t < vocab_size}
+        return cls(token_bytes, vocab_size, tags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1066,6 +1075,44 @@ class GrammarMatcher:
         return packed
 
 
+class ReasoningGate:
+    """A grammar that waits out a thinking model's thoughts (vLLM's structured outputs under a
+    reasoning parser): the thoughts are free, the answer after them follows the grammar.
+
+    Its phases mirror the server's split of the text (reasoning.py): deepseek_r1's reply starts
+    inside the thoughts; qwen3's opens them only with a first `<think>`, so its first token may be
+    that tag or what the grammar takes. The tags are the tokenizer's own tokens (Qwen3's and
+    DeepSeek-R1's are): a tag spelled out in pieces is text, and the grammar's if it is read."""
+
+    def __init__(self, matcher: GrammarMatcher, parser: str, start: int | None, end: int):
+        self.matcher = matcher  # reads the answer's tokens only
+        self.start, self.end = start, end
+        self.phase = "thinking" if parser == "deepseek_r1" else "may_open"
+        self.num_read = 0  # output tokens read, the thoughts' included
+
+    def read_new(self, new_tokens: list[int], stop_tokens: frozenset[int]) -> None:
+        for token in new_tokens:
+            if self.phase == "thinking":
+                if token == self.end:
+                    self.phase = "answer"
+            elif self.phase == "may_open" and token == self.start:
+                self.phase = "thinking"
+            else:
+                self.phase = "answer"
+                self.matcher.read_new([token], stop_tokens)
+            self.num_read += 1
+
+    def mask(self, stop_tokens: Iterable[int]) -> np.ndarray | None:
+        """The grammar's mask; None while thinking (every token may come)."""
+        if self.phase == "thinking":
+            return None
+        packed = self.matcher.mask(stop_tokens)
+        if self.phase == "may_open" and self.start is not None:
+            packed = packed.copy()  # the cached mask stays the grammar's
+            packed[self.start >> 3] |= 1 << (self.start & 7)
+        return packed
+
+
 @dataclass(frozen=True)
 class GrammarKey:
     kind: str  # "json", "json_object" or "choice"
@@ -1099,7 +1146,11 @@ class GrammarCache:
         self._grammars: dict[GrammarKey, Grammar] = {}
         self._masks = MaskCache()  # shared: json_object's stacks are the same in every request
 
-    def matcher(self, kind: str, spec: Any) -> GrammarMatcher:
+    def matcher(
+        self, kind: str, spec: Any, reasoning: str | None = None
+    ) -> GrammarMatcher | ReasoningGate:
+        """A new request's matcher; `reasoning` (a reasoning parser's name): the grammar starts
+        after the thoughts, where the vocabulary has `</think>` as one token (else at once)."""
         key = GrammarKey(kind, json.dumps(spec, sort_keys=True))
         grammar = self._grammars.get(key)
         if grammar is None:
@@ -1109,7 +1160,11 @@ class GrammarCache:
                 self._grammars.pop(next(iter(self._grammars)))
             grammar = Grammar(compile_spec(kind, spec), self._vocab, self._masks)
             self._grammars[key] = grammar
-        return GrammarMatcher(grammar)
+        matcher = GrammarMatcher(grammar)
+        end = self._vocab.added.get(THINK_END)
+        if reasoning is None or end is None:
+            return matcher
+        return ReasoningGate(matcher, reasoning, self._vocab.added.get(THINK_START), end)
 
 
 def unpack_masks(packed: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -91,3 +91,30 @@ def test_the_server_sends_reasoning_content(live_server):
     assert "reasoning_content" not in message
     with pytest.raises(ValueError, match="reasoning_parser"):
         ServerConfig(MODEL_NAME, MAX_MODEL_LEN, reasoning_parser="other")
+
+
+def test_a_chats_grammar_waits_for_its_thoughts(live_server, monkeypatch):
+    """Under a reasoning parser a chat's structured output starts after `</think>`
+    (`StructuredOutputsParams.reasoning`, which the engine's grammar reads); a completion's text
+    is never split, so its grammar starts at once."""
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, reasoning_parser="deepseek_r1")
+    sent, add = [], live_server.llm.add_requests
+
+    async def spy(request_id, prompts, params):
+        sent.extend(params)
+        return await add(request_id, prompts, params)
+
+    monkeypatch.setattr(live_server.llm, "add_requests", spy)
+    url = live_server.host.serve(build_app(live_server.llm, config))
+    grammar = {"structured_outputs": {"json_object": True}, "max_tokens": 4}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        chat = {"messages": [{"role": "user", "content": "Hi"}], **grammar}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        assert http.post("/v1/completions", json={"prompt": "Hi", **grammar}).status_code == 200
+        free = {**chat, "structured_outputs": None}
+        assert http.post("/v1/chat/completions", json=free).status_code == 200
+    assert [p.structured_outputs and p.structured_outputs.reasoning for p in sent] == [
+        "deepseek_r1",
+        None,
+        None,
+    ]

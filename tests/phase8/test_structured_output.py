@@ -386,6 +386,58 @@ def test_offline_chat_renders_tools_and_generates_a_named_call(llms):
         llms[False].chat([{"role": "user", "content": "Hi"}], params, tools="pick")
 
 
+THINK, END_THINK, HELLO = 151667, 151668, 23811  # Qwen3's <think>, </think> and " hello"
+
+
+def test_a_reasoning_gate_frees_the_thoughts_and_holds_the_answer(qwen3_vocab):
+    grammars = so.GrammarCache(lambda: qwen3_vocab)
+    assert isinstance(grammars.matcher("json", SHORT), so.GrammarMatcher)
+    stops = frozenset({151645})
+    qwen3 = grammars.matcher("json", SHORT, reasoning="qwen3")
+    opening = so.unpack_masks(qwen3.mask(stops), 151936)
+    bare = so.unpack_masks(grammars.matcher("json", SHORT).mask(stops), 151936)
+    assert opening[THINK] and not bare[THINK]  # the reply may open its thoughts, or answer
+    assert (opening ^ bare).sum() == 1 and not opening[HELLO]
+    qwen3.read_new([THINK, HELLO, HELLO], stops)
+    assert qwen3.mask(stops) is None  # thinking: nothing masked
+    qwen3.read_new([END_THINK], stops)
+    assert (so.unpack_masks(qwen3.mask(stops), 151936) == bare).all()  # the answer's grammar
+    assert qwen3.num_read == 4 and qwen3.matcher.num_read == 0
+    answered = grammars.matcher("json", SHORT, reasoning="qwen3")
+    answered.read_new([90], stops)  # "{": no thoughts, the answer began
+    assert answered.phase == "answer" and answered.matcher.num_read == 1
+    deepseek = grammars.matcher("json", SHORT, reasoning="deepseek_r1")
+    assert deepseek.mask(stops) is None  # its reply starts inside the thoughts
+    deepseek.read_new([HELLO, END_THINK], stops)
+    assert (so.unpack_masks(deepseek.mask(stops), 151936) == bare).all()
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_thinking_reply_thinks_freely_then_answers_in_the_grammar(llms, qwen3_vocab, parser):
+    """Biased towards <think>, </think> and " hello": the thoughts take " hello" (which no JSON
+    starts with), then the answer after </think> is a document of the schema."""
+    grammar = so.Grammar(so.compile_json_schema(SHORT), qwen3_vocab)
+    bias = {THINK: 100.0, END_THINK: 100.0, HELLO: 100.0}
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=64, logit_bias=bias,
+                             structured_outputs=StructuredOutputsParams(json=SHORT,
+                                                                        reasoning=parser))
+              for i in range(3)]  # fmt: skip
+    tokenizer = llms[False].get_tokenizer()
+    thoughts = []
+    for llm in llms.values():
+        for out in llm.generate(["Answer:"] * len(params), params, use_tqdm=False):
+            ids = out.outputs[0].token_ids
+            if parser == "qwen3":
+                assert ids[0] == THINK  # the only biased token the opening allows
+            end = ids.index(END_THINK)
+            thoughts += ids[:end]
+            answer = tokenizer.decode([t for t in ids[end + 1 :] if t not in (151643, 151645)])
+            assert feed(grammar, answer.encode()), answer
+            if out.outputs[0].finish_reason == "stop":
+                assert conforms(json.loads(answer), SHORT), answer
+    assert HELLO in thoughts
+
+
 def test_structured_outputs_params_are_checked_where_they_are_made():
     with pytest.raises(ValueError, match="exactly one of json, choice, json_object"):
         StructuredOutputsParams(json={"type": "string"}, choice=["a"])
@@ -396,6 +448,8 @@ def test_structured_outputs_params_are_checked_where_they_are_made():
     with pytest.raises(TypeError, match="must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": {}})
     assert StructuredOutputsParams(json='{"type": "integer"}').json == {"type": "integer"}
+    with pytest.raises(ValueError, match="reasoning must be qwen3 or deepseek_r1"):
+        StructuredOutputsParams(json_object=True, reasoning="o1")
 
 
 # -- the server (the tiny byte-level checkpoint: 256 byte tokens) --------------------------------
