@@ -8,7 +8,9 @@ batch and max_tokens on every row:
 - `json_object` and `schema` (an object of a string, an integer, a boolean and an array), each
   twice: `cold`, the first batch of that grammar (the vocabulary's byte trie is built by the
   engine's first grammar, and every mask is new), then `warm`, new seeds (new documents, the
-  caches kept).
+  caches kept), twice (`warm again`), each beside the same batch with the masks applied by the
+  torch chain the one-pass kernel replaced (`, torch chain`: the kernel's ablation; on a CPU
+  both rows run the torch chain).
 Every row ignores EOS (a completed document is followed by EOS tokens, which its grammar then
 allows alone), so every batch runs all its requests to max_tokens: the same steps, the same batch
 sizes, on both sides. One untimed batch first compiles the kernels; `none` is measured first and
@@ -16,8 +18,9 @@ last. On a GPU the model is Qwen3-0.6B's shape
 in bf16 with CUDA graphs and overlap scheduling; on a CPU a 2-layer model with Qwen3's vocabulary.
 Each row also splits the host's time per step (`host_ms_per_step`, timers around the engine's
 parts): the whole step, scheduling, preparing inputs, queueing the forward, sampling (the masking
-in it: the matchers reading tokens and taking masks, then the rest, which waits for the previous
-step's tokens and sends the masks to the device), and reading the previous step's outputs.
+in it: the matchers reading tokens and taking masks, the wait for the previous step's tokens,
+and the rest, which sends the masks to the device and applies them), and reading the previous
+step's outputs.
 `--host-costs` measures only the host's side, no model (phase8_structured_output_host.json):
 building Qwen3's vocabulary as bytes, a JSON string's first mask, the first mask of `.*x` (a walk
 that runs out of budget), and a warm step of 64 json_object rows replayed (each row reads its
@@ -36,6 +39,7 @@ import torch
 
 from benchmarks.harness import benchmark_parser, parse_args, write_result
 from phase8_serving import LLM, SamplingParams, StructuredOutputsParams
+from phase8_serving.model_runner import SampledTokens
 from phase8_serving.structured_output import GrammarMatcher
 from tests import assets
 
@@ -74,22 +78,34 @@ def main() -> None:
         llm = LLM(str(model_dir), device="cuda" if gpu else "cpu",
                   dtype="bfloat16" if gpu else "float32")  # fmt: skip
         prompts = [f"Describe item {i} as JSON:" for i in range(batch)]
+        runner = llm.engine.runner
         run(llm, prompts, max_tokens, None, seed=0)  # compiles and tunes the kernels: untimed
         rows = {"none": run(llm, prompts, max_tokens, None, seed=0)}
         for name, spec in (("json_object", {"json_object": True}), ("schema", {"json": SCHEMA})):
             rows[f"{name} cold"] = run(llm, prompts, max_tokens, spec, seed=1000)
-            rows[f"{name} warm"] = run(llm, prompts, max_tokens, spec, seed=2000)
-            rows[f"{name} warm again"] = run(llm, prompts, max_tokens, spec, seed=3000)
+            # warm, alternating the masks' kernel with the torch chain it replaced (ablation)
+            for seed, kernel in ((2000, True), (2000, False), (3000, True), (3000, False)):
+                runner.grammar_mask_kernel = kernel
+                label = f"{name} warm{' again' * (seed == 3000)}{'' if kernel else ', torch chain'}"
+                rows[label] = run(llm, prompts, max_tokens, spec, seed=seed)
+            runner.grammar_mask_kernel = True
         rows["none again"] = run(llm, prompts, max_tokens, None, seed=0)
     base = (rows["none"]["tok_s"] + rows["none again"]["tok_s"]) / 2
     for name, row in rows.items():
         row["vs_none"] = round(row["tok_s"] / base, 3)
-        print(f"{name:22s} {row['tok_s']:9.0f} tok/s  {row['vs_none']:.3f}x  "
+        print(f"{name:34s} {row['tok_s']:9.0f} tok/s  {row['vs_none']:.3f}x  "
               f"complete JSON {row['valid_json']}/{row['documents']}  "
               f"mask {row['mask_host_ms_per_step']} ms/step", flush=True)  # fmt: skip
+    ablation = {}  # the one-pass kernel's tok/s over the torch chain's, warm batches paired
+    for name in ("json_object", "schema"):
+        kernel = [rows[f"{name} warm{a}"]["tok_s"] for a in ("", " again")]
+        chain = [rows[f"{name} warm{a}, torch chain"]["tok_s"] for a in ("", " again")]
+        ablation[name] = round(sum(kernel) / sum(chain), 3)
+        print(f"{name}: mask kernel / torch chain = {ablation[name]}")
     device = torch.cuda.get_device_name() if gpu else "cpu"
     payload = {"device": device, "batch": batch, "max_tokens": max_tokens, "schema": SCHEMA,
-               "rows": rows, "quick": args.quick}  # fmt: skip
+               "rows": rows, "mask_kernel_over_torch_chain": ablation,
+               "quick": args.quick}  # fmt: skip
     print(f"wrote {write_result('phase8_structured_output', payload, args.out)}")
 
 
@@ -183,7 +199,8 @@ def run(llm: LLM, prompts: list[str], max_tokens: int, spec: dict | None, seed: 
         del runner._keep_grammar_tokens  # the method again
     seconds = time.perf_counter() - start
     steps = max(parts.pop("calls"), 1)
-    parts["masking: the rest"] = parts["masking"] - parts["masking: matchers"]
+    parts["masking: the rest"] = (parts["masking"] - parts["masking: matchers"]
+                                  - parts["masking: the previous step's tokens"])  # fmt: skip
     host_ms = {k: round(1e3 * v / steps, 3) for k, v in sorted(parts.items())}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     texts = [o.outputs[0].text for o in outs] if spec is not None else []
@@ -208,6 +225,7 @@ def host_timers(llm: LLM):
     """Seconds spent in the engine's parts (timers around its methods) while the block runs;
     "calls": the engine steps. A timer costs ~1 µs a call, on both sides of the comparison."""
     parts = collections.defaultdict(float)
+    inside = set()  # the labels whose methods are running
     engine, runner = llm.engine, llm.engine.runner
     targets = [(llm, "step", "step"), (engine.scheduler, "schedule", "schedule"),
                (runner, "prepare", "prepare inputs"), (runner, "forward", "queue forward"),
@@ -215,16 +233,23 @@ def host_timers(llm: LLM):
                (engine, "_process", "read outputs"),
                (llm.processor, "process_outputs", "read outputs: text"),
                (GrammarMatcher, "read_new", "masking: matchers"),
-               (GrammarMatcher, "mask", "masking: matchers")]  # fmt: skip
+               (GrammarMatcher, "mask", "masking: matchers"),
+               (SampledTokens, "tolist", "tokens to the host")]  # fmt: skip
     saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in targets]
 
     def timed(fn, label):
         def wrapper(*args, **kwargs):
             begin = time.perf_counter()
+            inside.add(label)
             try:
                 return fn(*args, **kwargs)
             finally:
-                parts[label] += time.perf_counter() - begin
+                inside.discard(label)
+                spent = time.perf_counter() - begin
+                if label == "tokens to the host":  # only the masking's wait for them
+                    parts["masking: the previous step's tokens"] += spent * ("masking" in inside)
+                else:
+                    parts[label] += spent
                 if label == "step":
                     parts["calls"] += 1
 

@@ -182,6 +182,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's stream
         self.grammars = grammars
         self.matchers: dict[int, GrammarMatcher] = {}  # seq_id -> its place in its grammar
+        self.grammar_mask_kernel = True  # on a GPU; off: the torch chain (a benchmark's ablation)
         self.scoring: set[int] = set()  # sequences that asked for their prompt's logprobs
         # Host copies of the sampled ids, used in turn: step N's copy is read after step N+1's
         # is queued (overlap scheduling), so one buffer would be overwritten before it is read.
@@ -436,13 +437,18 @@ class ModelRunner:
                 masks.append(mask)
         if not rows:
             return logits
-        V = logits.shape[-1]
         to = lambda x: torch.from_numpy(x).to(self.device, non_blocking=True)  # noqa: E731
         packed = to(np.stack(masks))  # (G, ceil(V / 8)) uint8: 8x fewer bytes than bools
+        # a new float32 tensor either way: the raw logits stay raw (logprobs)
+        if logits.is_cuda and self.grammar_mask_kernel:  # one launch, not ten (the host's)
+            from .kernels.grammar_mask import apply_grammar_masks
+
+            mask_of_row = np.full(len(seqs), -1, dtype=np.int32)  # -1: no grammar
+            mask_of_row[rows] = np.arange(len(rows), dtype=np.int32)
+            return apply_grammar_masks(logits, packed, to(mask_of_row))
         shifts = torch.arange(8, dtype=torch.uint8, device=self.device)
-        keep = (packed[:, :, None] >> shifts & 1).bool().flatten(1)[:, :V]
-        rows = to(np.array(rows))
-        logits = logits.to(torch.float32, copy=True)  # the raw logits stay raw (logprobs)
+        keep = (packed[:, :, None] >> shifts & 1).bool().flatten(1)[:, : logits.shape[-1]]
+        logits = logits.to(torch.float32, copy=True)
         logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
         return logits
 

@@ -386,6 +386,26 @@ def test_offline_chat_renders_tools_and_generates_a_named_call(llms):
         llms[False].chat([{"role": "user", "content": "Hi"}], params, tools="pick")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_mask_kernel_keeps_what_the_bits_allow(dtype):
+    """kernels/grammar_mask.py (the runner's pass on a GPU; here under Triton's interpreter)
+    against unpacking in numpy: rows without a grammar only upcast, a vocabulary that is no
+    multiple of 8 (or of the kernel's block) cut where it ends."""
+    from phase8_serving.kernels.grammar_mask import apply_grammar_masks
+
+    vocab_size, rng = 4100, np.random.default_rng(0)
+    packed = rng.integers(0, 256, size=(3, -(-vocab_size // 8)), dtype=np.uint8)
+    mask_of_row = np.array([-1, 0, 2, -1, 1, 2], dtype=np.int32)
+    logits = torch.randn(len(mask_of_row), vocab_size).to(dtype)
+    out = apply_grammar_masks(logits, torch.from_numpy(packed), torch.from_numpy(mask_of_row))
+    allowed = so.unpack_masks(packed, vocab_size)
+    expected = logits.float()
+    for row, mask in enumerate(mask_of_row):
+        if mask >= 0:
+            expected[row, torch.from_numpy(~allowed[mask])] = float("-inf")
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+
+
 THINK, END_THINK, HELLO = 151667, 151668, 23811  # Qwen3's <think>, </think> and " hello"
 
 
