@@ -12,9 +12,9 @@ vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs,
 return_token_ids, return_tokens_as_token_ids, prompt_logprobs, add_special_tokens,
 truncate_prompt_tokens, allowed_token_ids, structured_outputs (and its older names guided_json,
-guided_choice, guided_regex). Structured outputs come from OpenAI's `response_format` (json_object,
-json_schema) or vLLM's fields, one of them per request; a schema this server cannot enforce is a
-400 that says which keyword.
+guided_choice, guided_regex, guided_grammar). Structured outputs come from OpenAI's
+`response_format` (json_object, json_schema) or vLLM's fields, one of them per request; a schema
+this server cannot enforce is a 400 that says which keyword.
 
 Chats take `tools` and `tool_choice` (tool_calls.py), and a history's tool calls and results.
 
@@ -116,21 +116,21 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of json (a schema), choice, json_object, regex."""
+    """vLLM's `structured_outputs`: exactly one of json (a schema), choice, json_object, regex,
+    grammar."""
 
     model_config = STRICT
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     choice: list[str] | None = None
     json_object: bool | None = None
     regex: str | None = None
-    grammar: Any = None  # vLLM's; not supported here
+    grammar: str | None = None
     structural_tag: Any = None  # vLLM's; not supported here
 
     @model_validator(mode="after")
     def _supported(self):
-        for name in ("grammar", "structural_tag"):
-            if getattr(self, name) is not None:
-                raise unsupported(f"{name}; only json, choice, json_object and regex")
+        if self.structural_tag is not None:
+            raise unsupported("structural_tag; only json, choice, json_object, regex and grammar")
         return self
 
 
@@ -169,6 +169,7 @@ class SamplingRequest(BaseModel):
     guided_json: dict[str, Any] | str | None = None  # vLLM's older name for structured_outputs.json
     guided_choice: list[str] | None = None  # vLLM's older name for structured_outputs.choice
     guided_regex: str | None = None  # vLLM's older name for structured_outputs.regex
+    guided_grammar: str | None = None  # vLLM's older name for structured_outputs.grammar
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:ID"
@@ -191,6 +192,7 @@ class SamplingRequest(BaseModel):
             "guided_json",
             "guided_choice",
             "guided_regex",
+            "guided_grammar",
         )
         given = [name for name in ways if asked(name)]
         if len(given) > 1:
@@ -203,13 +205,16 @@ class SamplingRequest(BaseModel):
         so, rf = self.structured_outputs, self.response_format
         if so is not None:
             return StructuredOutputsParams(json=so.json_, choice=so.choice,
-                                           json_object=so.json_object, regex=so.regex)  # fmt: skip
+                                           json_object=so.json_object, regex=so.regex,
+                                           grammar=so.grammar)  # fmt: skip
         if self.guided_json is not None:
             return StructuredOutputsParams(json=self.guided_json)
         if self.guided_choice is not None:
             return StructuredOutputsParams(choice=self.guided_choice)
         if self.guided_regex is not None:
             return StructuredOutputsParams(regex=self.guided_regex)
+        if self.guided_grammar is not None:
+            return StructuredOutputsParams(grammar=self.guided_grammar)
         if rf is None or rf.type == "text":
             return None
         if rf.type == "json_object":

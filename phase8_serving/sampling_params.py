@@ -69,23 +69,26 @@ def _check_spec(kind: str, canonical: str) -> None:
 class StructuredOutputsParams:
     """vLLM's: what the reply must be, exactly one of: `json`, a JSON schema (a dict, or its JSON
     text); `json_object=True`, any JSON object; `choice`, one of these strings; `regex`, a
-    regular expression the whole reply matches. `reasoning` (a reasoning parser: "qwen3",
-    "deepseek_r1"; the server sets it on chats under --reasoning-parser): the reply's thoughts,
-    up to `</think>`, stay free, and the grammar applies to the answer after them."""
+    regular expression the whole reply matches; `grammar`, a context-free grammar (GBNF's
+    `root ::= ...` or Lark's `start: ...`) the reply is a sentence of. `reasoning` (a reasoning
+    parser: "qwen3", "deepseek_r1"; the server sets it on chats under --reasoning-parser): the
+    reply's thoughts, up to `</think>`, stay free, and the grammar applies to the answer after
+    them."""
 
     json: Any = None
     choice: tuple[str, ...] | None = None
     json_object: bool | None = None
     regex: str | None = None
+    grammar: str | None = None
     reasoning: str | None = None
 
     def __post_init__(self):
-        kinds = ("json", "choice", "json_object", "regex")
+        kinds = ("json", "choice", "json_object", "regex", "grammar")
         given = [n for n in kinds if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(
                 "StructuredOutputsParams takes exactly one of json, choice, json_object, regex, "
-                f"got {given or 'none'}"
+                f"grammar, got {given or 'none'}"
             )
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(
@@ -107,13 +110,13 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        kinds = ("json", "choice", "regex")
+        kinds = ("json", "choice", "regex", "grammar")
         return next((k for k in kinds if getattr(self, k) is not None), "json_object")
 
     @property
     def spec(self) -> Any:
         specs = {"json": self.json, "choice": list(self.choice or ()), "json_object": True,
-                 "regex": self.regex}  # fmt: skip
+                 "regex": self.regex, "grammar": self.grammar}  # fmt: skip
         return specs[self.kind]
 
 

@@ -30,6 +30,8 @@ UTF-8 with JSON's escapes. JSON Schema keywords that constrain what this grammar
 (pattern, minLength, minimum, ...) are refused with an error naming them, never silently ignored;
 annotations (title, description, default, format, ...) are ignored, as the standard allows.
 A regex becomes a Thompson NFA over characters whose frame gathers a character's UTF-8 bytes.
+A context-free grammar (GBNF or Lark's notation) becomes rules of sequences and alternatives
+over literals, classes and regexes; left recursion is refused (expanding it would not end).
 Under a reasoning parser a chat's grammar starts after the model's `</think>` (`ReasoningGate`):
 the thoughts stay free, as in vLLM.
 """
@@ -133,6 +135,15 @@ class Ref(Node):
         self.target: Node | None = None
 
 
+class Seq(Node):
+    """Nodes one after another (a grammar rule's sequence); `Seq(())` reads nothing."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Iterable[Node]):
+        self.items = tuple(items)
+
+
 class Regex(Node):
     """A regular expression the whole reply must match (compile_regex)."""
 
@@ -184,6 +195,258 @@ def compile_regex(pattern: Any) -> Node:
     if not isinstance(pattern, str) or not pattern:
         raise SchemaError(f"regex must be a non-empty string, got {pattern!r}")
     return Regex(_NFA(_RegexParser(pattern).parse()))
+
+
+EMPTY = Seq(())
+MAX_GRAMMAR_REPEAT = 100  # {m,n} in a grammar: the copies of its item it makes (and its stacks)
+_GRAMMAR_TOKENS = {  # the same order in both notations; GBNF's [classes] are Lark's [optional]
+    "space": r"\s+",
+    "comment": r"\#[^\n]*|//[^\n]*",
+    "define": r"::=|:",
+    "alias": r"->",
+    "string": r'"(?:[^"\\\n]|\\.)*"[a-zA-Z]*',
+    "regex": r"/(?:[^/\\\n]|\\.)+/[a-zA-Z]*",
+    "cls": r"\[(?:[^\]\\]|\\.)*\]",
+    "repeat": r"\{\s*\d+\s*(?:,\s*\d*\s*)?\}",
+    "directive": r"%\w+",
+    "name": r"[?!]?[A-Za-z_][A-Za-z0-9_-]*(?:\.\d+)?",
+    "op": r"[|()*+?\[\]]",
+}
+_GRAMMAR_TOKEN = {
+    gbnf: re.compile("|".join(f"(?P<{kind}>{pattern})" for kind, pattern in _GRAMMAR_TOKENS.items()
+                              if kind != ("regex" if gbnf else "cls")))
+    for gbnf in (True, False)
+}  # fmt: skip
+_STRING_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0"}
+
+
+def compile_grammar(text: Any) -> Node:
+    """A context-free grammar -> its root node. Either notation vLLM's backends take: EBNF as
+    llama.cpp's GBNF and xgrammar write it (`root ::= "a" item*`, `[a-z]` classes, `# notes`)
+    or Lark's (`start: "a" item*`, `/regex/` terminals, `[optional]`, `// notes`). Both:
+    "literals", rule names, ( ) groups, | alternatives, * + ?, and GBNF's {m}, {m,}, {m,n}.
+    The grammar runs top-down, so left recursion (a rule that can come back to itself, with
+    more to read after, before reading a byte) is refused, as are Lark's %import, %ignore and
+    flags, by name."""
+    if not isinstance(text, str) or not text.strip():
+        raise SchemaError(f"grammar must be a non-empty string, got {text!r}")
+    return _GrammarParser(text).parse()
+
+
+class _GrammarParser:
+    def __init__(self, text: str):
+        self.gbnf = "::=" in text
+        self.tokens, i = [], 0
+        while i < len(text):
+            m = _GRAMMAR_TOKEN[self.gbnf].match(text, i)
+            if m is None:
+                raise SchemaError(f"grammar, at {i}: unexpected {text[i : i + 10]!r}")
+            kind, value, i = m.lastgroup, m.group(), m.end()
+            if kind in ("string", "regex") and value[-1] not in '"/':
+                raise SchemaError(f"grammar: flags after a literal ({value}) are not supported")
+            if kind == "directive":
+                raise SchemaError(f"grammar: Lark's {value} is not supported")
+            if kind not in ("space", "comment"):
+                self.tokens.append((kind, value))
+        self.nodes = 0  # made so far: a grammar is compiled per request, so bound the work
+        self.depth = 0  # groups open: parsing them recurses
+        self.repeated: list[Node] = []  # the items of * + {m,n}: none may match nothing
+
+    def fail(self, what: str):
+        raise SchemaError(f"grammar: {what}")
+
+    def parse(self) -> Node:
+        tokens = self.tokens
+        starts = [i for i in range(len(tokens) - 1)
+                  if tokens[i][0] == "name" and tokens[i + 1][0] == "define"]  # fmt: skip
+        if not starts or starts[0] != 0:
+            self.fail("it must be rules, `name ::= ...` (or Lark's `name: ...`)")
+        bodies = {}
+        for start, end in zip(starts, [*starts[1:], len(tokens)], strict=True):
+            name = tokens[start][1].lstrip("?!").split(".")[0]
+            if name in bodies:
+                self.fail(f"the rule {name!r} is defined twice")
+            bodies[name] = tokens[start + 2 : end]
+        self.rules = {name: Ref() for name in bodies}
+        for name, body in bodies.items():
+            self.body, self.i = body, 0
+            self.rules[name].target = self.alternatives()
+            if self.i < len(body):
+                self.fail(f"unexpected {body[self.i][1]!r} in the rule {name!r}")
+        root = "root" if self.gbnf else "start"
+        if root not in self.rules:
+            self.fail(f"no {root!r} rule: the reply is what it describes")
+        _refuse_left_recursion(self.rules, self.repeated)
+        return self.rules[root]
+
+    def peek(self) -> tuple[str, str] | None:
+        return self.body[self.i] if self.i < len(self.body) else None
+
+    def made(self, node: Node) -> Node:
+        self.nodes += 1
+        if self.nodes > MAX_SCHEMA_NODES:
+            self.fail(f"it makes more than {MAX_SCHEMA_NODES} nodes")
+        return node
+
+    def alternatives(self) -> Node:
+        options = [self.sequence()]
+        while self.peek() == ("op", "|"):
+            self.i += 1
+            options.append(self.sequence())
+        return options[0] if len(options) == 1 else self.made(AnyOf(options))
+
+    def sequence(self) -> Node:
+        items = []
+        while self.peek() not in (None, ("op", "|"), ("op", ")"), ("op", "]")):
+            if self.peek()[0] == "alias":  # Lark's `-> name` names a tree; a reply has none
+                self.i += 2
+                continue
+            items.append(self.quantified(self.atom()))
+        return items[0] if len(items) == 1 else self.made(Seq(items))
+
+    def atom(self) -> Node:
+        kind, value = self.body[self.i]
+        self.i += 1
+        if kind == "string":
+            data = re.sub(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", _unescape, value[1:-1])
+            return self.made(Literal([data.encode()])) if data else EMPTY
+        if kind == "cls":
+            return self.made(compile_regex(value))
+        if kind == "regex":
+            return self.made(compile_regex(value[1:-1].replace("\\/", "/")))
+        if kind == "name":
+            if value not in self.rules:
+                self.fail(f"the rule {value!r} is not defined")
+            return self.rules[value]
+        if (kind, value) in (("op", "("), ("op", "[")) and (value == "(" or not self.gbnf):
+            self.depth += 1
+            if self.depth > MAX_SCHEMA_DEPTH:
+                self.fail(f"groups nest more than {MAX_SCHEMA_DEPTH} deep")
+            inner = self.alternatives()
+            self.depth -= 1
+            close = ")" if value == "(" else "]"
+            if self.peek() != ("op", close):
+                self.fail(f"a {value!r} is not closed")
+            self.i += 1
+            return inner if value == "(" else self.made(AnyOf([inner, EMPTY]))
+        self.fail(f"unexpected {value!r}")
+
+    def quantified(self, node: Node) -> Node:
+        while self.peek() in (("op", "*"), ("op", "+"), ("op", "?")) or (
+            self.peek() is not None and self.peek()[0] == "repeat" and self.gbnf
+        ):
+            kind, value = self.body[self.i]
+            self.i += 1
+            if value != "?":
+                self.repeated.append(node)
+            if value == "?":
+                node = self.made(AnyOf([node, EMPTY]))
+            elif value in "*+":
+                star = self.made(Ref())  # item*: a rule that ends, or reads item and recurs
+                star.target = self.made(AnyOf([self.made(Seq([node, star])), EMPTY]))
+                node = star if value == "*" else self.made(Seq([node, star]))
+            else:
+                low_text, comma, high_text = value[1:-1].replace(" ", "").partition(",")
+                low = int(low_text)
+                high = low if not comma else (int(high_text) if high_text else None)
+                if high is not None and high < low or max(low, high or 0) > MAX_GRAMMAR_REPEAT:
+                    self.fail(f"{value}: at most {MAX_GRAMMAR_REPEAT} repeats, m <= n")
+                tail = self.quantified_tail(node, low, high)
+                node = self.made(Seq([node] * low + [tail]))
+        return node
+
+    def quantified_tail(self, node: Node, low: int, high: int | None) -> Node:
+        if high is None:
+            star = self.made(Ref())
+            star.target = self.made(AnyOf([self.made(Seq([node, star])), EMPTY]))
+            return star
+        tail = EMPTY
+        for _ in range(high - low):  # (x (x (x)?)?)?: up to high - low more
+            tail = self.made(AnyOf([self.made(Seq([node, tail])), EMPTY]))
+        return tail
+
+
+def _unescape(m: re.Match) -> str:
+    code = m.group(1)
+    if code[0] in "xu" and len(code) > 1:
+        return chr(int(code[1:], 16))
+    return _STRING_ESCAPES.get(code, code)
+
+
+def _refuse_left_recursion(rules: dict[str, Ref], repeated: list[Node]) -> None:
+    """A rule reachable from itself before a byte is read, with frames left to read after it,
+    would make stacks grow without end as they expand (`expr: expr "+" term`). A rule that only
+    comes back in its own tail (item*) keeps the stack as it is, and expanding stops there.
+    A repeated item that may match nothing (`("a"?){0,1000}`) is refused too: every way to
+    spread the empty matches over the repeats is a stack of its own (a thousand here, and a
+    mask that walks the vocabulary with each)."""
+    nodes, todo = {}, list(rules.values())  # every node, by id
+    while todo:
+        node = todo.pop()
+        if id(node) not in nodes:
+            nodes[id(node)] = node
+            todo += {Ref: lambda n: [n.target], AnyOf: lambda n: n.options,
+                     Seq: lambda n: n.items}.get(type(node), lambda n: [])(node)  # fmt: skip
+    nullable = dict.fromkeys(nodes, False)  # may read nothing: the least fixpoint, from below
+    changed = True
+    while changed:
+        changed = False
+        for key, node in nodes.items():
+            if isinstance(node, Literal):
+                empty = any(not option for option in node.options)
+            elif isinstance(node, Regex):
+                empty = node.nfa.accept in node.nfa.start
+            elif isinstance(node, Seq):
+                empty = all(nullable[id(item)] for item in node.items)
+            elif isinstance(node, AnyOf):
+                empty = any(nullable[id(option)] for option in node.options)
+            elif isinstance(node, Ref):
+                empty = nullable[id(node.target)]
+            else:
+                empty = False
+            if empty and not nullable[key]:
+                nullable[key] = changed = True
+
+    def can_be_empty(node: Node) -> bool:
+        return nullable[id(node)]
+
+    if any(can_be_empty(item) for item in repeated):
+        raise SchemaError("grammar: a repeated item (*, +, {m,n}) can match nothing, as in "
+                          '("a"?)*; repeat what reads something: "a"*')  # fmt: skip
+
+    def edges(node: Node, grows: bool, out: list) -> None:
+        """Refs `node` may expand into before reading a byte, and whether frames lie below."""
+        todo = [(node, grows)]
+        while todo:
+            node, grows = todo.pop()
+            if isinstance(node, Ref):
+                out.append((node, grows))
+            elif isinstance(node, AnyOf):
+                todo += [(option, grows) for option in node.options]
+            elif isinstance(node, Seq):
+                for k, item in enumerate(node.items):
+                    todo.append((item, grows or k < len(node.items) - 1))
+                    if not can_be_empty(item):
+                        break
+
+    names = {id(ref): name for name, ref in rules.items()}
+    for ref in rules.values():
+        todo, seen = [(ref, False)], set()
+        while todo:
+            node, grew = todo.pop()
+            found: list = []
+            edges(node.target, False, found)
+            for nxt, grows in found:
+                if nxt is ref and (grew or grows):
+                    raise SchemaError(
+                        f"grammar: the rule {names[id(ref)]!r} is left-recursive (it comes back "
+                        "to itself before reading a byte); write the repetition with *, as in "
+                        'expr: term ("+" term)*'
+                    )
+                key = (id(nxt), grew or grows)
+                if key not in seen:
+                    seen.add(key)
+                    todo.append((nxt, grew or grows))
 
 
 DIGIT, WORD = ((0x30, 0x39),), ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
@@ -610,10 +873,19 @@ def _lit(text: bytes) -> tuple:
 
 def _expand(stack: tuple, out: set, seen: set) -> None:
     """Adds to `out` every stack `stack` can be without reading a byte whose top reads one (or
-    that is empty: complete). `seen` stops a schema that refers to itself without consuming."""
-    if stack in seen:
-        return
-    seen.add(stack)
+    that is empty: complete). `seen` stops a schema that refers to itself without consuming.
+    A worklist, not recursion: a grammar's chain of rules may run deeper than Python's stack."""
+    todo = [stack]
+    while todo:
+        stack = todo.pop()
+        if stack not in seen:
+            seen.add(stack)
+            _expand_top(stack, out, todo)
+
+
+def _expand_top(stack: tuple, out: set, todo: list) -> None:
+    """One step of `_expand`: `stack` into `out` if its top reads a byte, the stacks it becomes
+    without reading one into `todo`."""
     if not stack:
         out.add(stack)
         return
@@ -626,29 +898,28 @@ def _expand(stack: tuple, out: set, seen: set) -> None:
         if nfa.reads_more(states) or top[3]:
             out.add(stack)
         if not top[3] and nfa.accept in states:  # the match may end here
-            _expand(rest, out, seen)
+            todo.append(rest)
     elif kind == "n":
         out.add(stack)
         if top[2] in NUMBER_ENDS:
-            _expand(rest, out, seen)
+            todo.append(rest)
     elif kind == "w":
-        _expand(rest, out, seen)
+        todo.append(rest)
         out.add(rest + (_lit(b" "),))
     elif kind == "v":
-        _expand_value(top[1], rest, out, seen)
+        _expand_value(top[1], rest, out, todo)
     elif kind == "a":
         _, node, count = top
         if count >= node.min_items:
             out.add(rest + (_lit(b"]"),))
         if node.max_items is None or count < node.max_items:
-            _expand(rest + (("a", node, count + 1), ("v", node.item), SPACE, _lit(b",")), out,
-                    seen)  # fmt: skip
+            todo.append(rest + (("a", node, count + 1), ("v", node.item), SPACE, _lit(b",")))
     elif kind == "o":
         _, node, index, wrote = top
         for j in range(index, len(node.props)):
             key, value, required = node.props[j]
             member = rest + (("o", node, j + 1, True), ("v", value), SPACE, _lit(key + b":"))
-            _expand(member + (SPACE, _lit(b",")) if wrote else member, out, seen)
+            todo.append(member + (SPACE, _lit(b",")) if wrote else member)
             if required:
                 break
         else:
@@ -663,7 +934,7 @@ def _expand(stack: tuple, out: set, seen: set) -> None:
         raise AssertionError(f"unknown frame {top!r}")
 
 
-def _expand_value(node: Node, rest: tuple, out: set, seen: set) -> None:
+def _expand_value(node: Node, rest: tuple, out: set, todo: list) -> None:
     if isinstance(node, Str):
         out.add(rest + (STRING_BODY, _lit(b'"')))
     elif isinstance(node, Num):
@@ -673,20 +944,22 @@ def _expand_value(node: Node, rest: tuple, out: set, seen: set) -> None:
             out.add(rest + (_lit(option),))
     elif isinstance(node, AnyOf):
         for option in node.options:
-            _expand(rest + (("v", option),), out, seen)
+            todo.append(rest + (("v", option),))
     elif isinstance(node, Ref):
-        _expand(rest + (("v", node.target),), out, seen)
+        todo.append(rest + (("v", node.target),))
     elif isinstance(node, Arr):
         if node.min_items == 0:
             out.add(rest + (_lit(b"[]"),))
         if node.max_items != 0:
-            _expand(rest + (("a", node, 1), ("v", node.item), _lit(b"[")), out, seen)
+            todo.append(rest + (("a", node, 1), ("v", node.item), _lit(b"[")))
     elif isinstance(node, Obj):
         out.add(rest + (("o", node, 0, False), _lit(b"{")))
     elif isinstance(node, FreeObj):
         out.add(rest + (("f", node, False), _lit(b"{")))
     elif isinstance(node, Regex):
-        _expand(rest + (("x", node.nfa, node.nfa.start, b""),), out, seen)
+        todo.append(rest + (("x", node.nfa, node.nfa.start, b""),))
+    elif isinstance(node, Seq):
+        todo.append(rest + tuple(("v", item) for item in reversed(node.items)))
     else:
         raise AssertionError(f"unknown node {node!r}")
 
@@ -1115,7 +1388,7 @@ class ReasoningGate:
 
 @dataclass(frozen=True)
 class GrammarKey:
-    kind: str  # "json", "json_object" or "choice"
+    kind: str  # "json", "json_object", "choice", "regex" or "grammar"
     spec: str  # the schema or the choices, as canonical JSON
 
 
@@ -1128,6 +1401,8 @@ def compile_spec(kind: str, spec: Any) -> Node:
         root = compile_choice(spec)
     elif kind == "regex":
         root = compile_regex(spec)
+    elif kind == "grammar":
+        root = compile_grammar(spec)
     else:
         raise SchemaError(f"unknown structured output kind {kind!r}")
     if not start_state(root):

@@ -569,7 +569,8 @@ BAD = {  # endpoint, extra body, the param the error names
     "suffix": ("completions", {"suffix": "end"}, "suffix"),
     "best_of > n": ("completions", {"best_of": 3}, "best_of"),
     "best_of < n": ("completions", {"best_of": 1, "n": 2}, "best_of"),
-    "an unknown field": ("completions", {"guided_grammar": "root ::= x"}, "guided_grammar"),
+    "an unknown field": ("completions", {"guided_whitespace_pattern": " "},
+                         "guided_whitespace_pattern"),
     "an unknown chat field": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
     "an unknown message field": (
         "chat", {"messages": [{"role": "user", "content": "x", "weight": 2}]}, "messages"),

@@ -153,6 +153,104 @@ def test_regexes_it_cannot_enforce_are_refused(pattern, words):
     assert words in str(raised.value)
 
 
+SQL = """
+start: select_statement
+select_statement: "SELECT" column "from" table "where" condition
+column: "col_1" | "col_2"
+table: "table_1" | "table_2"
+condition: column "=" number
+number: "1" | "2"
+"""  # vLLM's test grammar (Lark's notation, no %ignore: no spaces)
+ARITHMETIC = r"""
+# GBNF (llama.cpp, xgrammar): expressions with nested parentheses
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= num | "(" expr ")" | "-" term
+num  ::= [0-9]{1,3} ("." [0-9]+)?
+"""
+LARK_GRAMMARS = {
+    "sql": SQL,
+    "list": 'start: "[" [item ("," item)*] "]"\nitem: /[a-c]+/ | start  // nested',
+    "words": 'start: word (" " word)* "." -> sentence\nword: WORD\nWORD: /[A-Za-z]+/\n'
+    '?unused.2: "x"',
+}
+
+
+@pytest.mark.parametrize("name", list(LARK_GRAMMARS))
+def test_a_grammar_takes_what_lark_parses(name):
+    """Lark itself (Earley, the whole grammar at once) is the oracle: random strings over the
+    grammar's alphabet, and sentences written by walking the grammar, accepted exactly when
+    Lark parses them."""
+    lark = pytest.importorskip("lark")
+    text = LARK_GRAMMARS[name]
+    parser = lark.Lark(text, parser="earley")
+    grammar = so.Grammar(so.compile_grammar(text), so.Vocabulary({}, 8))
+    alphabet = sorted(set("".join(re.findall(r'"([^"]*)"', text))) | set("abcXy ."))
+    rng = random.Random(0)
+    samples = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+               for _ in range(300)]  # fmt: skip
+    for _ in range(100):  # sentences: walk the automaton, each byte one it allows
+        state, written = grammar.start, b""
+        while () not in state or rng.random() < 0.8:
+            options = [
+                b for b in b"".join(a.encode() for a in alphabet) if grammar.advance(state, b)
+            ]
+            if not options or len(written) > 40:
+                break
+            byte = rng.choice(options)
+            state, written = grammar.advance(state, byte), written + bytes([byte])
+        samples.append(written.decode())
+    parsed = 0
+    for sample in samples:
+        try:
+            parser.parse(sample)
+            ok = True
+        except lark.exceptions.LarkError:
+            ok = False
+        parsed += ok
+        assert (() in feed(grammar, sample.encode())) == ok, (name, sample)
+    assert parsed >= 20  # the walks wrote sentences, not only prefixes
+
+
+def test_a_gbnf_grammar_takes_its_sentences_and_nothing_else():
+    grammar = so.Grammar(so.compile_grammar(ARITHMETIC), so.Vocabulary({}, 8))
+    cases = [
+        ("1+2", True),
+        ("(1.5-(22+333))", True),
+        ("--7", True),
+        ("1234", False),
+        ("(1", False),
+        ("1+", False),
+        ("", False),
+        ("1.", False),
+        ("((2))", True),
+    ]
+    for text, ok in cases:
+        assert (() in feed(grammar, text.encode())) == ok, text
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [('root ::= root "a" | "b"', "'root' is left-recursive"),
+     ('start: a\na: b "x"\nb: a | "y"', "'a' is left-recursive"),
+     ('root ::= c root "x" | "y"\nc ::= d\nd ::= c | ""', "'root' is left-recursive"),
+     ('root ::= x', "'x' is not defined"), ('%import common.WS\nstart: "a"', "%import"),
+     ('start: "a"i', "flags"), ("just words", "must be rules"), ('start: "a"', None),
+     ('root ::= "a"{200}', "at most 100"), ('start: ("a"', "not closed"),
+     ('root ::= ("a"?){0,50} "b"', "can match nothing"), ("start: " + "(" * 65 + '"a"' + ")" * 65,
+     "nest more than 64"),
+     ('root ::= "a"\nroot ::= "b"', "defined twice"), ('root: "a"', "no 'start' rule"),
+     ("", "non-empty")],
+)  # fmt: skip
+def test_grammars_it_cannot_run_are_refused(text, words):
+    if words is None:  # the control: a grammar that compiles
+        so.compile_grammar(text)
+        return
+    with pytest.raises(so.SchemaError) as raised:
+        so.compile_grammar(text)
+    assert words in str(raised.value)
+
+
 def test_utf8_is_checked_byte_by_byte():
     grammar = so.Grammar(so.compile_json_schema({"type": "string"}), so.Vocabulary({}, 8))
     for good in ("é", "日", "😀"):
@@ -232,7 +330,7 @@ def brute_force_mask(grammar: so.Grammar, state: frozenset) -> np.ndarray:
     return allowed
 
 
-@pytest.mark.parametrize("kind", ["schema", "json_object", "regex"])
+@pytest.mark.parametrize("kind", ["schema", "json_object", "regex", "grammar"])
 def test_masks_equal_brute_force_over_qwen3s_vocabulary(kind, qwen3_vocab):
     """Random walks through the grammar (each step a token its mask allows), the mask checked
     against feeding every one of the 151,643 tokens on its own every few steps: the trie walk,
@@ -241,6 +339,7 @@ def test_masks_equal_brute_force_over_qwen3s_vocabulary(kind, qwen3_vocab):
         "schema": so.compile_json_schema(PERSON),
         "json_object": so.ANY_OBJ,
         "regex": so.compile_regex(r"[A-Z][a-zé]{0,9}( [0-9]+| [a-z]+){1,5}\."),
+        "grammar": so.compile_grammar(ARITHMETIC),
     }[kind]
     grammar = so.Grammar(node, qwen3_vocab)
     rng = random.Random(0)
@@ -347,6 +446,20 @@ def test_random_model_writes_the_schema_only_under_the_grammar(llms):
         assert not llm.engine.runner.matchers  # released with their requests
     assert texts[False] == texts[True]
     assert len(set(texts[False][:4])) == 4  # different seeds, different documents
+
+
+def test_random_model_writes_sentences_of_a_grammar(llms, qwen3_vocab):
+    """Lark's notation (vLLM's SQL test grammar) and GBNF, under Qwen3's real tokens: every
+    SQL reply is a sentence Lark parses, every arithmetic one a prefix of a sentence at least."""
+    lark = pytest.importorskip("lark")
+    params = [structured(i, max_tokens=40, grammar=SQL) for i in range(3)]
+    params.append(structured(7, max_tokens=24, grammar=ARITHMETIC))
+    outs = [o.outputs[0] for o in llms[True].generate(["Query:"] * 4, params, use_tqdm=False)]
+    for out in outs[:3]:
+        assert out.finish_reason == "stop"
+        lark.Lark(SQL).parse(out.text)
+    state = feed(so.Grammar(so.compile_grammar(ARITHMETIC), qwen3_vocab), outs[3].text.encode())
+    assert state and (outs[3].finish_reason == "length" or () in state), outs[3].text
 
 
 def test_an_aborted_request_lets_go_of_its_matcher(llms):
@@ -542,6 +655,19 @@ def test_the_server_takes_json_object_and_choices(http):
     assert "".join(pieces) in options
 
 
+def test_the_server_takes_grammars(http):
+    """vLLM's `guided_grammar` test: its SQL grammar in Lark's notation, each reply one Lark
+    parses; a chat under a GBNF grammar in `structured_outputs`."""
+    lark = pytest.importorskip("lark")
+    for text in texts(post(http, "completions", n=3, seed=4, temperature=1.0, max_tokens=40,
+                           guided_grammar=SQL), "completions"):  # fmt: skip
+        lark.Lark(SQL).parse(text)
+    short = {"grammar": 'root ::= [a-c]{1,3} "!"'}
+    for text in texts(post(http, "chat", n=3, seed=5, temperature=1.0, max_tokens=8,
+                           structured_outputs=short), "chat"):  # fmt: skip
+        assert re.fullmatch(r"[a-c]{1,3}!", text), text
+
+
 BAD = {
     "unsupported keyword": ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "s", "schema": {"type": "string", "pattern": "[a-z]+"}}}}, "'pattern'"),
@@ -549,7 +675,9 @@ BAD = {
     "unknown type": ({"response_format": {"type": "xml"}}, "response_format"),
     "two ways": ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
                  "one way"),
-    "grammar": ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "grammar"),
+    "left recursion": ({"guided_grammar": 'root ::= root "a" | "b"'}, "left-recursive"),
+    "a structural tag": ({"structured_outputs": {"structural_tag": {"type": "x"}}},
+                         "structural_tag"),
     "a lookahead": ({"structured_outputs": {"regex": "(?=a)a"}}, "lookarounds"),
     "none given": ({"structured_outputs": {}}, "exactly one"),
     "empty choice": ({"structured_outputs": {"choice": []}}, "non-empty"),
