@@ -183,10 +183,6 @@ class ModelRunner:
         self.grammars = grammars
         self.matchers: dict[int, GrammarMatcher] = {}  # seq_id -> its place in its grammar
         self.grammar_mask_kernel = True  # on a GPU; off: the torch chain (a benchmark's ablation)
-        # pinned buffers for the grammar rows' masks, in turn, each with its copy's event; made
-        # at the first grammar (`_masks_to_device`)
-        self.masks_host: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self.max_num_seqs = config.max_num_seqs
         self.scoring: set[int] = set()  # sequences that asked for their prompt's logprobs
         # Host copies of the sampled ids, used in turn: step N's copy is read after step N+1's
         # is queued (overlap scheduling), so one buffer would be overwritten before it is read.
@@ -441,44 +437,20 @@ class ModelRunner:
                 masks.append(mask)
         if not rows:
             return logits
-        packed = self._masks_to_device(masks)
+        to = lambda x: torch.from_numpy(x).to(self.device, non_blocking=True)  # noqa: E731
+        packed = to(np.stack(masks))  # (G, ceil(V / 8)) uint8: 8x fewer bytes than bools
         # a new float32 tensor either way: the raw logits stay raw (logprobs)
         if logits.is_cuda and self.grammar_mask_kernel:  # one launch, not ten (the host's)
             from .kernels.grammar_mask import apply_grammar_masks
 
             mask_of_row = np.full(len(seqs), -1, dtype=np.int32)  # -1: no grammar
             mask_of_row[rows] = np.arange(len(rows), dtype=np.int32)
-            mask_of_row = torch.from_numpy(mask_of_row).to(self.device, non_blocking=True)
-            return apply_grammar_masks(logits, packed, mask_of_row)
+            return apply_grammar_masks(logits, packed, to(mask_of_row))
         shifts = torch.arange(8, dtype=torch.uint8, device=self.device)
         keep = (packed[:, :, None] >> shifts & 1).bool().flatten(1)[:, : logits.shape[-1]]
         logits = logits.to(torch.float32, copy=True)
         logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
         return logits
-
-    def _masks_to_device(self, masks: list[np.ndarray]) -> torch.Tensor:
-        """The rows' packed masks, (G, ceil(V / 8)) uint8 (8x fewer bytes than bools), on the
-        device. On a GPU they are stacked straight into pinned memory, one of two buffers in
-        turn, and copied without blocking: from ordinary memory the driver would first copy
-        them again into a staging buffer of its own, on the host's time."""
-        if self.device.type != "cuda":
-            return torch.from_numpy(np.stack(masks))
-        width = masks[0].shape[0]
-        if not self.masks_host or self.masks_host[0][0].shape[1] != width:
-            shape = (self.max_num_seqs, width)
-            self.masks_host = [(torch.empty(shape, dtype=torch.uint8, pin_memory=True), None)
-                               for _ in range(2)]  # fmt: skip
-        self.masks_host.reverse()  # the other buffer: its copy was queued a step earlier
-        buffer, copied = self.masks_host[0]
-        if copied is not None:
-            copied.synchronize()  # long done, as a rule: a whole step ran since
-        host = buffer[: len(masks)]
-        np.stack(masks, out=host.numpy())
-        packed = host.to(self.device, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        self.masks_host[0] = (buffer, copied)
-        return packed
 
     def _placeholder_rows(
         self, seqs: list[Sequence], placeholders: torch.Tensor | None
