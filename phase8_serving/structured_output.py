@@ -276,7 +276,7 @@ class _GrammarParser:
         root = "root" if self.gbnf else "start"
         if root not in self.rules:
             self.fail(f"no {root!r} rule: the reply is what it describes")
-        _refuse_left_recursion(self.rules, self.repeated)
+        _refuse_what_cannot_run(self.rules, self.repeated)
         return self.rules[root]
 
     def peek(self) -> tuple[str, str] | None:
@@ -309,7 +309,10 @@ class _GrammarParser:
         self.i += 1
         if kind == "string":
             data = re.sub(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", _unescape, value[1:-1])
-            return self.made(Literal([data.encode()])) if data else EMPTY
+            try:
+                return self.made(Literal([data.encode()])) if data else EMPTY
+            except UnicodeEncodeError:  # "\ud800": half a surrogate pair is no character
+                self.fail(f"{value} is not valid Unicode")
         if kind == "cls":
             return self.made(compile_regex(value))
         if kind == "regex":
@@ -373,7 +376,7 @@ def _unescape(m: re.Match) -> str:
     return _STRING_ESCAPES.get(code, code)
 
 
-def _refuse_left_recursion(rules: dict[str, Ref], repeated: list[Node]) -> None:
+def _refuse_what_cannot_run(rules: dict[str, Ref], repeated: list[Node]) -> None:
     """A rule reachable from itself before a byte is read, with frames left to read after it,
     would make stacks grow without end as they expand (`expr: expr "+" term`). A rule that only
     comes back in its own tail (item*) keeps the stack as it is, and expanding stops there.

@@ -237,6 +237,7 @@ def test_a_gbnf_grammar_takes_its_sentences_and_nothing_else():
      ('root ::= x', "'x' is not defined"), ('%import common.WS\nstart: "a"', "%import"),
      ('start: "a"i', "flags"), ("just words", "must be rules"), ('start: "a"', None),
      ('root ::= "a"{200}', "at most 100"), ('start: ("a"', "not closed"),
+     (r'root ::= "\ud800"', "not valid Unicode"),
      ('root ::= ("a"?){0,50} "b"', "can match nothing"), ("start: " + "(" * 65 + '"a"' + ")" * 65,
      "nest more than 64"),
      ('root ::= "a"\nroot ::= "b"', "defined twice"), ('root: "a"', "no 'start' rule"),
