@@ -1,8 +1,9 @@
 """Structured outputs: the grammar's masks, the engine's sampling under them, the server's fields.
 
 Oracles: brute force (every token of Qwen3's 151k vocabulary fed to the grammar on its own, the
-mask must agree), `json.loads` and the schema itself, and a random model: without the grammar its
-replies are never JSON (checked), so a reply that parses is the grammar's doing. Seeded requests
+mask must agree), `json.loads` and the schema itself, `re.fullmatch` for regexes, Lark for
+context-free grammars, and a random model: without the grammar its replies are never JSON
+(checked), so a reply that parses is the grammar's doing. Seeded requests
 sample the same tokens with overlap scheduling on (the grammar then reads the previous step's
 token while this step's forward runs) and off.
 """
