@@ -23,8 +23,9 @@ and the rest, which sends the masks to the device and applies them), and reading
 step's outputs.
 `--host-costs` measures only the host's side, no model (phase8_structured_output_host.json):
 building Qwen3's vocabulary as bytes, a JSON string's first mask, the first mask of `.*x` (a walk
-that runs out of budget), and a warm step of 64 json_object rows replayed (each row reads its
-token and takes its mask; the masks stacked, as the runner does).
+that runs out of budget), a mask of an ambiguous grammar (`AMBIGUOUS` after 60 letters: a stack
+for every way to have read them), and a warm step of 64 json_object rows replayed (each row
+reads its token and takes its mask; the masks stacked, as the runner does).
 Run: python -m benchmarks.phase8_structured_output [--quick] [--host-costs] [--out DIR]
 """
 
@@ -53,6 +54,7 @@ SCHEMA = {
     },
     "required": ["name", "count", "ok"],
 }
+AMBIGUOUS = 'root ::= x{0,100} "b"\nx ::= [a-z] | [a-z][a-z]'  # each x one letter or two
 CPU_MODEL = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                  max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
@@ -133,6 +135,15 @@ def host_costs(rows: int = 64, steps: int = 100) -> dict:
     start = time.perf_counter()
     anything.mask(anything.start)
     result["first_dot_star_mask_s"] = time.perf_counter() - start
+    # an ambiguous grammar: after 60 letters, a stack for each way x{0,100} may have read them
+    ambiguous = so.Grammar(so.compile_grammar(AMBIGUOUS), vocab)
+    state = ambiguous.start
+    for _ in range(60):
+        state = ambiguous.advance(state, ord("a"))
+    start = time.perf_counter()
+    ambiguous.mask(state)
+    result["ambiguous_grammar_mask_s"] = time.perf_counter() - start
+    result["ambiguous_grammar_stacks"] = len(state)
     cache = so.GrammarCache(lambda: vocab)
     rng, outputs = random.Random(0), [[] for _ in range(rows)]
     matchers = [cache.matcher("json_object", True) for _ in range(rows)]
@@ -178,29 +189,13 @@ def run(llm: LLM, prompts: list[str], max_tokens: int, spec: dict | None, seed: 
                        structured_outputs=None if spec is None else StructuredOutputsParams(**spec))
         for i in range(len(prompts))
     ]  # fmt: skip
-    runner = llm.engine.runner
-    masking = runner._keep_grammar_tokens
-    spent = [0.0, 0]  # host seconds in the masking, calls (one per step with a grammar row)
-
-    def timed(*args):
-        begin = time.perf_counter()
-        try:
-            return masking(*args)
-        finally:
-            spent[0] += time.perf_counter() - begin
-            spent[1] += 1
-
-    runner._keep_grammar_tokens = timed
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    try:
-        with host_timers(llm) as parts:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del runner._keep_grammar_tokens  # the method again
+    with host_timers(llm) as (parts, calls):
+        outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    steps = max(parts.pop("calls"), 1)
+    steps = max(calls["step"], 1)
     parts["masking: the rest"] = (parts["masking"] - parts["masking: matchers"]
                                   - parts["masking: the previous step's tokens"])  # fmt: skip
     host_ms = {k: round(1e3 * v / steps, 3) for k, v in sorted(parts.items())}
@@ -217,16 +212,16 @@ def run(llm: LLM, prompts: list[str], max_tokens: int, spec: dict | None, seed: 
             "documents": len(texts), "valid_json": valid,
             # the host's time in masking per step (it waits there for the previous step's
             # token under overlap scheduling, and walks the grammar)
-            "mask_host_ms_per_step": round(1e3 * spent[0] / max(spent[1], 1), 3),
+            "mask_host_ms_per_step": round(1e3 * parts["masking"] / max(calls["masking"], 1), 3),
             "engine_steps": steps,
             "host_ms_per_step": host_ms}  # fmt: skip
 
 
 @contextlib.contextmanager
 def host_timers(llm: LLM):
-    """Seconds spent in the engine's parts (timers around its methods) while the block runs;
-    "calls": the engine steps. A timer costs ~1 µs a call, on both sides of the comparison."""
-    parts = collections.defaultdict(float)
+    """Seconds spent in the engine's parts (timers around its methods) while the block runs,
+    and the calls of each. A timer costs ~1 µs a call, on both sides of the comparison."""
+    parts, calls = collections.defaultdict(float), collections.Counter()
     inside = set()  # the labels whose methods are running
     engine, runner = llm.engine, llm.engine.runner
     targets = [(llm, "step", "step"), (engine.scheduler, "schedule", "schedule"),
@@ -252,15 +247,14 @@ def host_timers(llm: LLM):
                     parts["masking: the previous step's tokens"] += spent * ("masking" in inside)
                 else:
                     parts[label] += spent
-                if label == "step":
-                    parts["calls"] += 1
+                calls[label] += 1
 
         return wrapper
 
     for obj, name, label in targets:
         setattr(obj, name, timed(getattr(obj, name), label))
     try:
-        yield parts
+        yield parts, calls
     finally:
         for obj, name, original in saved:
             if original is None:

@@ -338,15 +338,14 @@ class _GrammarParser:
         while self.peek() in (("op", "*"), ("op", "+"), ("op", "?")) or (
             self.peek() is not None and self.peek()[0] == "repeat" and self.gbnf
         ):
-            kind, value = self.body[self.i]
+            value = self.body[self.i][1]
             self.i += 1
             if value != "?":
                 self.repeated.append(node)
             if value == "?":
                 node = self.made(AnyOf([node, EMPTY]))
             elif value in "*+":
-                star = self.made(Ref())  # item*: a rule that ends, or reads item and recurs
-                star.target = self.made(AnyOf([self.made(Seq([node, star])), EMPTY]))
+                star = self.quantified_tail(node, 0, None)
                 node = star if value == "*" else self.made(Seq([node, star]))
             else:
                 low_text, comma, high_text = value[1:-1].replace(" ", "").partition(",")
@@ -359,7 +358,7 @@ class _GrammarParser:
         return node
 
     def quantified_tail(self, node: Node, low: int, high: int | None) -> Node:
-        if high is None:
+        if high is None:  # item*: a rule that ends, or reads item and recurs in its tail
             star = self.made(Ref())
             star.target = self.made(AnyOf([self.made(Seq([node, star])), EMPTY]))
             return star
