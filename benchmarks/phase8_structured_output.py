@@ -21,12 +21,16 @@ parts): the whole step, scheduling, preparing inputs, queueing the forward, samp
 in it: the matchers reading tokens and taking masks, the wait for the previous step's tokens,
 and the rest, which sends the masks to the device and applies them), and reading the previous
 step's outputs.
+`--seeds-only` runs only `none`, with a seed on every row and with none, alternating three times
+each (phase8_structured_output_seeds.json): what per-request seeds cost a batch (a seeded row's
+noise is keyed by its seed: sampling.py).
 `--host-costs` measures only the host's side, no model (phase8_structured_output_host.json):
 building Qwen3's vocabulary as bytes, a JSON string's first mask, the first mask of `.*x` (a walk
 that runs out of budget), a mask of an ambiguous grammar (`AMBIGUOUS` after 60 letters: a stack
 for every way to have read them), and a warm step of 64 json_object rows replayed (each row
 reads its token and takes its mask; the masks stacked, as the runner does).
-Run: python -m benchmarks.phase8_structured_output [--quick] [--host-costs] [--out DIR]
+Run: python -m benchmarks.phase8_structured_output [--quick] [--seeds-only] [--host-costs]
+[--out DIR]
 """
 
 import collections
@@ -63,6 +67,9 @@ CPU_MODEL = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_h
 def build_parser():
     parser = benchmark_parser(__doc__)
     parser.add_argument("--host-costs", action="store_true", help="only the host's mask costs")
+    parser.add_argument(
+        "--seeds-only", action="store_true", help="only no grammar, seeded and unseeded"
+    )
     return parser
 
 
@@ -82,6 +89,8 @@ def main() -> None:
         prompts = [f"Describe item {i} as JSON:" for i in range(batch)]
         runner = llm.engine.runner
         run(llm, prompts, max_tokens, None, seed=0)  # compiles and tunes the kernels: untimed
+        if args.seeds_only:
+            return seeds_only(llm, prompts, max_tokens, batch, args.out)
         rows = {"none": run(llm, prompts, max_tokens, None, seed=0)}
         for name, spec in (("json_object", {"json_object": True}), ("schema", {"json": SCHEMA})):
             rows[f"{name} cold"] = run(llm, prompts, max_tokens, spec, seed=1000)
@@ -111,6 +120,23 @@ def main() -> None:
                "rows": rows, "mask_kernel_over_torch_chain": ablation,
                "quick": args.quick}  # fmt: skip
     print(f"wrote {write_result('phase8_structured_output', payload, args.out)}")
+
+
+def seeds_only(llm: LLM, prompts: list[str], max_tokens: int, batch: int, out) -> None:
+    rows = collections.defaultdict(list)
+    for _ in range(3):
+        for label, seed in (("seeded", 0), ("unseeded", None)):
+            rows[label].append(run(llm, prompts, max_tokens, None, seed=seed))
+    tok_s = {label: [r["tok_s"] for r in runs] for label, runs in rows.items()}
+    ratio = round(sum(tok_s["seeded"]) / sum(tok_s["unseeded"]), 3)
+    for label, runs in rows.items():
+        sample_ms = [r["host_ms_per_step"]["sample"] for r in runs]
+        print(f"{label:9s} {tok_s[label]} tok/s, sampling {sample_ms} host ms/step", flush=True)
+    print(f"seeded / unseeded: {ratio}")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    payload = {"device": device, "batch": batch, "max_tokens": max_tokens, "rows": dict(rows),
+               "seeded_over_unseeded": ratio}  # fmt: skip
+    print(f"wrote {write_result('phase8_structured_output_seeds', payload, out)}")
 
 
 def host_costs(rows: int = 64, steps: int = 100) -> dict:
@@ -182,10 +208,11 @@ def write_model(directory: Path, gpu: bool) -> Path:
     return directory
 
 
-def run(llm: LLM, prompts: list[str], max_tokens: int, spec: dict | None, seed: int) -> dict:
+def run(llm: LLM, prompts: list[str], max_tokens: int, spec: dict | None, seed: int | None) -> dict:
+    """One batch, request i seeded with seed + i (seed None: no seeds)."""
     params = [
-        SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_tokens,
-                       ignore_eos=True,
+        SamplingParams(temperature=1.0, seed=None if seed is None else seed + i,
+                       max_tokens=max_tokens, ignore_eos=True,
                        structured_outputs=None if spec is None else StructuredOutputsParams(**spec))
         for i in range(len(prompts))
     ]  # fmt: skip

@@ -80,7 +80,13 @@ from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
 from .sampling import SEED_LIMIT, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer, check_conversations, find_stop_string
+from .tokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    Tokenizer,
+    check_conversations,
+    find_stop_string,
+)
 from .trace import StepTrace
 from .worker import start_workers
 
@@ -119,6 +125,7 @@ class Request:
     detokenizer: IncrementalDetokenizer  # its output_text is the text of the tokens fed so far
     output_kind: RequestOutputKind
     num_detokenized: int = 0  # output tokens fed to the detokenizer
+    cut_by_stop_string: bool = False  # its text ends where a stop string began
 
 
 class InFlightStep:
@@ -381,6 +388,7 @@ class LLMEngine:
         if match is None:
             return None
         detokenizer.output_text = detokenizer.output_text[: match.index]
+        request.cut_by_stop_string = True
         return FinishReason.STOP
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -388,8 +396,15 @@ class LLMEngine:
         # every token has text but a stop token (a stop string's request is already caught up)
         stopped = seq.finish_reason is FinishReason.STOP
         self._catch_up_text(request, seq.num_output_tokens - stopped)
-        if seq.is_finished and seq.finish_reason is not FinishReason.STOP:
-            request.detokenizer.flush()  # a character split at max_tokens still shows up
+        if seq.is_finished and not request.cut_by_stop_string:
+            # what the detokenizer held back (a text decoded once, at the end, is all held back
+            # if its last character is split): at max_tokens it shows, a split character as
+            # U+FFFD; before a stop token only what it completes (the character never finished)
+            # (no delta ends in U+FFFD: only the flushed tail can)
+            detokenizer = request.detokenizer
+            detokenizer.flush()
+            if stopped:
+                detokenizer.output_text = detokenizer.output_text.rstrip(REPLACEMENT_CHAR)
         reason = seq.finish_reason.value if seq.finish_reason else None
         text = request.detokenizer.output_text
         if not seq.is_finished:  # the tail that may still turn out to start a stop string waits

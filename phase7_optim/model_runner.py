@@ -6,8 +6,7 @@ ids, their positions (num_computed_tokens onwards) and their cache slots, pack a
 one flat batch, run the model once, and sample a token for each sequence whose new tokens reach
 its end (a sequence still mid-prompt samples nothing).
 
-The runner owns the KV cache tensors and one `torch.Generator` per seeded request (its random
-stream survives preemption); it never decides who runs.
+The runner owns the KV cache tensors; it never decides who runs.
 
 Phase 5: slots come from block tables, and the block tables travel to attention in the batch; a
 second, CPU-side KV pool holds the blocks of sequences preempted by swapping.
@@ -19,8 +18,9 @@ sampling pass that draws row by row.
   and copies them to preallocated device buffers without blocking (input_batch.py).
 - Decode-only steps (every scheduled sequence brings one token and samples) replay a CUDA graph
   captured for the smallest bucket that holds the batch (cuda_graph.py); other steps run eagerly.
-- `sample_batch` samples the whole batch on the device; the sampled ids are copied to pinned host
-  memory without blocking. A step waits on the device twice: in `prepare`, for the copies of the
+- `sample_batch` samples the whole batch on the device (a seeded row from its seed and the index
+  of the token it draws: sampling.py); the sampled ids are copied to pinned host memory without
+  blocking. A step waits on the device twice: in `prepare`, for the copies of the
   previous step's inputs before their host buffers are rewritten (an `Event.synchronize()`,
   already complete when the previous step's tokens were read), and in `SampledTokens.tolist()`,
   for its own tokens.
@@ -115,7 +115,6 @@ class ModelRunner:
         self.inputs = StepInputs(max_tokens, config.max_num_seqs, self.max_blocks, self.block_size,
                                  self.device, state_slots=hybrid)  # fmt: skip
         self.host_block_tables = HostBlockTables(self.max_blocks)
-        self.generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded request's stream
         # Host copies of the sampled ids, used in turn: step N's copy is read after step N+1's
         # is queued (overlap scheduling), so one buffer would be overwritten before it is read.
         self.sampled_host = [
@@ -246,10 +245,10 @@ class ModelRunner:
         chosen = [s for (s, _), f in zip(scheduled, step.samples.tolist(), strict=True) if f]
         if not chosen:
             return torch.empty(0, dtype=torch.long, device=self.device)
-        generators = [self._generator(s) for s in chosen]
-        batch = SamplingBatch.build(
-            [s.params for s in chosen], generators, logits.shape[-1], self.device
-        )
+        # the index of the token each row draws: placeholders (overlap) are drawn, not yet read
+        draws = [s.num_output_tokens + s.num_output_placeholders for s in chosen]
+        params = [s.params for s in chosen]
+        batch = SamplingBatch.build(params, draws, logits.shape[-1], self.device)
         return sample_batch(logits, batch)
 
     @torch.no_grad()
@@ -272,16 +271,6 @@ class ModelRunner:
         copied.record()
         return SampledTokens(seq_ids, ids, host, copied)
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None or seq.params.greedy:
-            return None  # the device's default stream: nobody asked to reproduce it
-        generator = self.generators.get(seq.seq_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seq.params.seed)
-            self.generators[seq.seq_id] = generator
-        return generator
-
     def swap(self, blocks_to_swap_out, blocks_to_swap_in) -> None:
         """Copies swapped blocks out to the CPU pool, then in to the GPU pool, before the step."""
         copy_blocks(self.kv_cache, self.cpu_kv_cache, blocks_to_swap_out)
@@ -298,7 +287,6 @@ class ModelRunner:
             self.state_pool.free(seq.seq_id)
 
     def release(self, seq: Sequence) -> None:
-        self.generators.pop(seq.seq_id, None)
         self.host_block_tables.release(seq.seq_id)
         if self.state_pool is not None:
             self.state_pool.free(seq.seq_id)

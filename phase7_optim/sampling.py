@@ -10,8 +10,8 @@ They apply in vLLM's order (temperature, min-p, top-k, top-p), each to what the 
 so top-p's nucleus is measured on the temperature-scaled, min-p-filtered distribution. The most
 likely token always survives every filter, so there is always something to sample.
 
-Every request owns a `torch.Generator`: with `seed` set, the same request gives the same text no
-matter what else runs beside it (that matters once requests share a batch, phase 3 onwards).
+With `seed` set, the same request gives the same text no matter what else runs beside it (that
+matters once requests share a batch, phase 3 onwards).
 
 From phase 4 the engine also reads `ignore_eos` and `stop_token_ids` from here; from phase 6
 `stop` strings and `skip_special_tokens`. Phase 6 also samples a whole batch in one pass
@@ -31,9 +31,15 @@ E ~ Exponential(1) picks token i with probability probs[i], with no cumulative-s
 filter at all it is one Triton pass over the logits (`kernels/sampling.py`) that draws the noise
 itself (Philox), so the (R, V) fp32 noise tensor, twice the bf16 logits' bytes, is never written
 to memory and read back; the torch path (filters, CPU) still materializes it. Greedy rows take the
-exact argmax of the logits; a seeded request draws its noise row from its own generator on either
-path, so its tokens do not depend on what shares its batch. The result is a device tensor: the
-engine copies tokens to the host once per step.
+exact argmax of the logits.
+
+A seeded request no longer owns a `torch.Generator`: a generator is a stream with a state, so a
+batch with S seeded rows made S draws of V values, one launch each (1.2-1.7 ms of host time a
+step at 64 rows on an H100). Its noise is Philox keyed by the seed, counted by the index of the
+token being drawn (`philox4x32`): a pure function of (seed, index, token), which the race computes
+in its pass for every row at once, and the torch path computes here, the same numbers. The
+request's tokens still depend on nothing but its seed, not on what shares its batch, nor on
+whether it was preempted and recomputed.
 """
 
 import math
@@ -132,6 +138,54 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Philox-4x32-10's constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011),
+# as kernels/sampling.py's
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # the key's increments between rounds
+PHILOX_ROUNDS = 10
+MASK32 = 0xFFFFFFFF
+# an unseeded row's counter is this + its row: never a seeded row's, the index of a token it draws
+UNSEEDED_COUNTER = 1 << 32
+STEP_KEYS = (-(2**63), 2**63 - 1)  # a step's key for its unseeded rows: any int64
+
+
+def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of a * b, for a < 2**32 and b (int64 values < 2**32),
+    in int64 without overflow: a's two 16-bit halves times b stay below 2**48."""
+    high = (a >> 16) * b
+    low = (a & 0xFFFF) * b
+    return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & MASK32
+
+
+def philox4x32(
+    counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """Philox-4x32-10 on int64 tensors holding uint32 words (broadcast together): the torch twin
+    of kernels/sampling.py's `_philox4x32`, the same four words out."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(PHILOX_ROUNDS):
+        hi0, lo0 = _mul32(PHILOX_M0, c0)
+        hi2, lo2 = _mul32(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + PHILOX_W0) & MASK32, (k1 + PHILOX_W1) & MASK32
+    return c0, c1, c2, c3
+
+
+def philox_exponential(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """keys, counters (S,) int64 (64-bit patterns) -> E ~ Exponential(1), (S, V) fp32: token t of
+    row s is word t % 4 of Philox(counter (t // 4, the counter's low and high halves, 0), key),
+    u = (2k + 1) / 2**24 from its top 23 bits, E = -log(u). What the race draws, on any device."""
+    quads = torch.arange((vocab_size + 3) // 4, device=keys.device)[None, :]
+    zero = torch.zeros_like(quads)
+    halves = lambda x: ((x & MASK32)[:, None], (x >> 32 & MASK32)[:, None])  # noqa: E731
+    (c1, c2), key = halves(counters), halves(keys)
+    words = philox4x32((quads, zero + c1, zero + c2, zero), key)
+    words = torch.stack(words, dim=-1).flatten(1)[:, :vocab_size]
+    u = ((words >> 9) * 2 + 1).float() * 2.0**-24  # exact in fp32: never 0, never 1
+    return -u.log()
+
+
 @dataclass
 class SamplingBatch:
     """One step's sampling parameters as per-row tensors (R rows, on the logits' device)."""
@@ -141,35 +195,51 @@ class SamplingBatch:
     top_k: torch.Tensor  # (R,) int64; vocab_size = off
     top_p: torch.Tensor  # (R,) float32; 1.0 = off
     greedy: torch.Tensor  # (R,) bool
+    # each row's Philox key and counter (int64 bit patterns): a seeded row's seed and the index of
+    # the token it draws; the others the step's random key and UNSEEDED_COUNTER + row
+    noise_keys: torch.Tensor  # (R,) int64
+    noise_counters: torch.Tensor  # (R,) int64
     # host-side summaries, so whole passes no row needs are skipped without a device sync
     all_greedy: bool
     any_min_p: bool
     any_top_k_top_p: bool
-    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (row, generator)
+    seeded: list[int] = field(default_factory=list)  # rows keyed by their request's seed
 
     @classmethod
     def build(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],  # per row: the request's own, or None
+        draws: list[int],  # per row: the index of the token it draws now (its output so far)
         vocab_size: int,
         device: torch.device,
     ) -> "SamplingBatch":
         greedy = [p.greedy for p in params]
         top_k = [vocab_size if p.top_k is None else min(p.top_k, vocab_size) for p in params]
         to = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
+        seeded = [r for r, p in enumerate(params) if p.seed is not None and not p.greedy]
+        # from torch's CPU generator: no device sync, and torch.manual_seed replays unseeded runs
+        drawn = sum(not p.greedy for p in params) > len(seeded)  # some row draws from the step
+        step_key = int(torch.randint(*STEP_KEYS, ())) if drawn else 0
+        keys = [step_key] * len(params)
+        counters = [UNSEEDED_COUNTER + r for r in range(len(params))]
+        for r in seeded:
+            seed = params[r].seed
+            keys[r] = seed - 2**64 if seed >= 2**63 else seed  # the same 64 bits, as an int64
+            counters[r] = draws[r]
         return cls(
             temperature=to([1.0 if p.greedy else p.temperature for p in params], torch.float32),
             min_p=to([p.min_p for p in params], torch.float32),
             top_k=to(top_k, torch.int64),
             top_p=to([p.top_p for p in params], torch.float32),
             greedy=to(greedy, torch.bool),
+            noise_keys=to(keys, torch.int64),
+            noise_counters=to(counters, torch.int64),
             all_greedy=all(greedy),
             any_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
             any_top_k_top_p=any(
                 not p.greedy and (p.top_k is not None or p.top_p < 1.0) for p in params
             ),
-            seeded=[(i, g) for i, g in enumerate(generators) if g is not None],
+            seeded=seeded,
         )
 
 
@@ -187,6 +257,17 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
+def seeded_noise(batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
+    """The seeded rows' noise (S, V) fp32, as the race draws it: one Triton launch on CUDA."""
+    rows = torch.tensor(batch.seeded, device=batch.noise_keys.device)
+    keys, counters = batch.noise_keys[rows], batch.noise_counters[rows]
+    if keys.is_cuda:
+        from .kernels.sampling import exponential_noise  # CPU-only installs may lack Triton
+
+        return exponential_noise(keys, counters, vocab_size)
+    return philox_exponential(keys, counters, vocab_size)
+
+
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits (R, V) -> token ids (R,) int64, on the device: no host sync."""
     if batch.all_greedy:
@@ -194,8 +275,8 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if logits.is_cuda and not (batch.any_min_p or batch.any_top_k_top_p):
         return sample_by_race(logits, batch)  # no filter needs the probabilities
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
-    for row, generator in batch.seeded:  # only seeded rows loop: one launch each
-        noise[row].exponential_(generator=generator)
+    if batch.seeded:
+        noise[batch.seeded] = seeded_noise(batch, logits.shape[-1])
     noise.clamp_min_(TINY)
     logits = logits.float()
     greedy_tokens = logits.argmax(dim=-1)
@@ -211,20 +292,10 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def sample_by_race(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits (R, V) -> token ids (R,) int64: the exponential race in one Triton pass
-    (kernels/sampling.py), which draws the noise of unseeded rows itself. A seeded row's noise is
-    drawn here, from its request's generator, exactly as the torch path draws it (V values in one
-    call): the generator advances as it always has, and the row's token is what that noise
-    dictates, whatever shares the batch."""
-    # imported here: CPU-only installs may lack Triton
-    from .kernels.sampling import NO_NOISE_ROW, PHILOX_SEED_LIMIT, exponential_race
+    (kernels/sampling.py), which draws every row's noise itself from the row's key and counter:
+    a seeded row's token is what the torch path would pick from `philox_exponential`'s noise."""
+    from .kernels.sampling import exponential_race  # CPU-only installs may lack Triton
 
-    rows, vocab_size = logits.shape
-    noise = torch.empty(len(batch.seeded), vocab_size, dtype=torch.float32, device=logits.device)
-    noise_rows = [NO_NOISE_ROW] * rows
-    for i, (row, generator) in enumerate(batch.seeded):
-        noise[i].exponential_(generator=generator)
-        noise_rows[row] = i
-    noise_rows = torch.tensor(noise_rows, dtype=torch.int32).to(logits.device, non_blocking=True)
-    # from torch's CPU generator: no device sync, and torch.manual_seed replays unseeded runs
-    seed = int(torch.randint(PHILOX_SEED_LIMIT, ()))
-    return exponential_race(logits, 1.0 / batch.temperature, batch.greedy, seed, noise_rows, noise)
+    return exponential_race(
+        logits, 1.0 / batch.temperature, batch.greedy, batch.noise_keys, batch.noise_counters
+    )

@@ -9,14 +9,16 @@ monotonic and the softmax's normalizer is the same for every token of a row), so
 top-p or min-p no softmax is needed at all. The pass reads each row's logits (in the model's
 dtype) once; a greedy row takes the exact argmax of its logits.
 
-The pass draws the noise itself: E = -log(u), u uniform from Philox, a counter-based generator
-(a (seed, counter) pair gives the same u in any program, in any order), so no (R, V) fp32 noise
-tensor is written and read back: at 256 rows that is 155 MB each way, twice the bf16 logits the
-pass exists to read. Philox-4x32 makes four 32-bit words per counter from ten rounds of
-multiplies, so four neighbouring tokens share a counter (`tl.rand4x`: `tl.rand` keeps one word
-of four and would do four times the integer work). The row of a seeded request is the exception:
-it reads its noise from `noise`, drawn by torch from the request's own generator (sampling.py), so
-its tokens are the ones that generator dictates, whatever shares its batch.
+The pass draws the noise itself, from Philox-4x32-10, a counter-based generator: ten rounds of
+multiplies turn a 128-bit counter and a 64-bit key into four random 32-bit words, the same ones
+in any program, in any order, on any device (sampling.py's `philox4x32` is the same function in
+torch). So no (R, V) fp32 noise tensor is written and read back (at 256 rows 155 MB each way,
+twice the bf16 logits the pass exists to read), and no row needs a generator of its own. Each row
+brings its key and its counter (`SamplingBatch.noise_keys`, `noise_counters`): a seeded request's
+are its seed and the index of the token it draws, so its tokens follow from the seed alone,
+whatever shares its batch; the other rows share the step's random key and count by row. Token t of
+a row takes word t % 4 of the counter (t // 4, the row's counter's two halves, 0): four
+neighbouring tokens share one Philox call, and a row's noise does not depend on the pass's tiling.
 
 The pass is spread over the vocabulary, like split-K in decode attention (paged_decode.py): one
 program per (row, chunk of `block` tokens) writes its chunk's best score and token, and a second,
@@ -25,11 +27,10 @@ small batches and stream a row's 151,936 tokens through one SM at any batch (an 
 spent 180 µs here at 256 rows, and 125 µs at 18, against ~55 µs of bytes).
 
 Invariants: ties go to the lowest token id, as `torch.argmax` (within a chunk by the index, across
-chunks because the merge takes the lowest index among the chunks that reach the maximum); noise
-below `TINY` counts as `TINY`, and so does a drawn u of 0 (probability 2**-31 a token), so every
-finite logit scores finite; a row with no finite score (all NaN) gets token 0, never an id
-outside the vocabulary; a row's drawn noise is a function of the seed, the row's index, V and
-`block` alone, never of what else the batch holds or of which program runs first.
+chunks because the merge takes the lowest index among the chunks that reach the maximum); a
+drawn u is (2k + 1) / 2**24 for a 23-bit k, exact in fp32 and never 0 or 1, so E is finite and
+positive and every finite logit scores finite; a row with no finite score (all NaN) gets token 0,
+never an id outside the vocabulary.
 """
 
 import torch
@@ -37,31 +38,49 @@ import triton
 import triton.language as tl
 
 VOCAB_BLOCK = 4096  # tokens per program: Qwen3's vocabulary is 38 chunks a row
-TINY = torch.finfo(torch.float32).tiny
-NO_NOISE_ROW = -1  # noise_rows entry of a row that reads no noise: the pass draws it (Philox)
-# Triton types an int argument by its value (int32 below 2**31, int64 above) and compiles a kernel
-# per type: seeds below this keep one kernel
-PHILOX_SEED_LIMIT = 2**31
+# Philox-4x32's constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011)
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)  # the key's increments between rounds
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
+PHILOX_ROUNDS = tl.constexpr(10)
 
 
 @triton.jit
-def _exponential_noise(seed, row, chunk, num_chunks, tiny, BLOCK: tl.constexpr):
-    """E ~ Exponential(1) for the chunk's BLOCK tokens: E = -log(u), u uniform in [0, 1)."""
+def _philox4x32(c0, c1, c2, c3, k0, k1):
+    """Four uint32 counter words and a two-word key -> four random uint32 words."""
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        hi0, lo0 = tl.umulhi(c0, PHILOX_M0), c0 * PHILOX_M0
+        hi2, lo2 = tl.umulhi(c2, PHILOX_M1), c2 * PHILOX_M1
+        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+        k0 += PHILOX_W0
+        k1 += PHILOX_W1
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _exponential_noise(keys_ptr, counters_ptr, row, chunk, BLOCK: tl.constexpr):
+    """E ~ Exponential(1) for tokens [chunk * BLOCK, (chunk + 1) * BLOCK) of the row."""
     QUARTER: tl.constexpr = BLOCK // 4
-    # one counter per four tokens, unique over (row, chunk): a row's noise depends only on the
-    # seed and the row's index in the batch, never on which program runs it or when
-    counter = (row * num_chunks + chunk) * QUARTER + tl.arange(0, QUARTER)
-    u0, u1, u2, u3 = tl.rand4x(seed, counter)
+    key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
+    counter = tl.load(counters_ptr + row).to(tl.uint64, bitcast=True)
+    c0 = (chunk * QUARTER + tl.arange(0, QUARTER)).to(tl.uint32)  # token t's word: t // 4
+    c1 = tl.full([QUARTER], 0, tl.uint32) + (counter & 0xFFFFFFFF).to(tl.uint32)
+    c2 = tl.full([QUARTER], 0, tl.uint32) + (counter >> 32).to(tl.uint32)
+    c3 = tl.full([QUARTER], 0, tl.uint32)
+    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (key >> 32).to(tl.uint32)
+    w0, w1, w2, w3 = _philox4x32(c0, c1, c2, c3, k0, k1)
     # token 4i + j of the chunk takes word j of counter i
-    u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK,))
-    return -tl.log(tl.maximum(u, tiny))  # u == 0 (p = 2**-31): E = 87, not inf
+    w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK,))
+    u = ((w >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)  # (2k + 1) / 2**24, in (0, 1)
+    return -tl.log(u)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _exponential_race_kernel(
-    logits_ptr, noise_ptr, noise_rows_ptr, inv_temperature_ptr, greedy_ptr, best_ptr,
-    best_idx_ptr, stride_l, stride_n, vocab_size, num_chunks, seed, tiny,
-    BLOCK: tl.constexpr, NO_NOISE: tl.constexpr,
+    logits_ptr, keys_ptr, counters_ptr, inv_temperature_ptr, greedy_ptr, best_ptr, best_idx_ptr,
+    stride_l, vocab_size, num_chunks, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -70,12 +89,8 @@ def _exponential_race_kernel(
     x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf"))
     x = x.to(tl.float32)
     if tl.load(greedy_ptr + row) == 0:
-        noise_row = tl.load(noise_rows_ptr + row).to(tl.int64)
-        if noise_row == NO_NOISE:
-            e = _exponential_noise(seed, row, chunk, num_chunks, tiny, BLOCK)
-        else:  # a seeded request's row, drawn by torch from its own generator
-            e = tl.load(noise_ptr + noise_row * stride_n + cols, mask=mask, other=1.0)
-        x = x * tl.load(inv_temperature_ptr + row) - tl.log(tl.maximum(e, tiny))
+        e = _exponential_noise(keys_ptr, counters_ptr, row, chunk, BLOCK)
+        x = x * tl.load(inv_temperature_ptr + row) - tl.log(e)
     best = tl.max(x, 0)
     best_idx = tl.min(tl.where(x == best, cols, vocab_size), 0)  # first of the ties
     tl.store(best_ptr + row * num_chunks + chunk, best)
@@ -99,19 +114,16 @@ def exponential_race(
     logits: torch.Tensor,
     inv_temperature: torch.Tensor,
     greedy: torch.Tensor,
-    seed: int,
-    noise_rows: torch.Tensor,
-    noise: torch.Tensor,
+    keys: torch.Tensor,
+    counters: torch.Tensor,
     block: int = VOCAB_BLOCK,
 ) -> torch.Tensor:
-    """logits (R, V), inv_temperature (R,) fp32, greedy (R,) bool -> token ids (R,) int64.
-
-    seed: a host int in [0, PHILOX_SEED_LIMIT), the key of this call's drawn noise. noise_rows (R,)
-    int32: the row of noise (S, V) fp32 that row reads, or NO_NOISE_ROW: the pass draws it.
+    """logits (R, V), inv_temperature (R,) fp32, greedy (R,) bool, keys and counters (R,) int64
+    (each row's Philox key and counter, as 64 bits) -> token ids (R,) int64.
     `block`: tokens per program (a power of two, at least 4)."""
     rows, vocab_size = logits.shape
-    assert noise_rows.shape == (rows,) and noise.shape[1:] == (vocab_size,)
-    assert logits.stride(-1) == noise.stride(-1) == 1 and 0 <= seed < PHILOX_SEED_LIMIT
+    assert keys.shape == counters.shape == (rows,) and keys.dtype == counters.dtype == torch.int64
+    assert logits.stride(-1) == 1
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -119,12 +131,35 @@ def exponential_race(
     best = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _exponential_race_kernel[(rows, num_chunks)](
-        logits, noise, noise_rows, inv_temperature, greedy, best, best_idx,
-        logits.stride(0), noise.stride(0), vocab_size, num_chunks, seed, TINY,
-        BLOCK=block, NO_NOISE=NO_NOISE_ROW,
+        logits, keys, counters, inv_temperature, greedy, best, best_idx,
+        logits.stride(0), vocab_size, num_chunks, BLOCK=block,
     )  # fmt: skip
     _race_merge_kernel[(rows,)](
         best, best_idx, out, vocab_size, num_chunks,
         BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
     )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _exponential_noise_kernel(keys_ptr, counters_ptr, out_ptr, stride_o, vocab_size,
+                              BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    e = _exponential_noise(keys_ptr, counters_ptr, row, chunk, BLOCK)
+    tl.store(out_ptr + row * stride_o + cols, e, mask=cols < vocab_size)
+
+
+def exponential_noise(
+    keys: torch.Tensor, counters: torch.Tensor, vocab_size: int, block: int = VOCAB_BLOCK
+) -> torch.Tensor:
+    """keys, counters (S,) int64 -> the (S, V) fp32 noise the race draws for those rows: what the
+    torch path (filters) reads for seeded rows on CUDA, in one launch."""
+    rows = keys.shape[0]
+    out = torch.empty(rows, vocab_size, dtype=torch.float32, device=keys.device)
+    if rows:
+        _exponential_noise_kernel[(rows, triton.cdiv(vocab_size, block))](
+            keys, counters, out, out.stride(0), vocab_size, BLOCK=block
+        )
     return out

@@ -357,6 +357,22 @@ def test_streamed_text_never_splits_a_character(scripted_qwen3_dir):
     assert len(set(streamed)) < len(streamed), "some steps must hold back a partial character"
 
 
+@pytest.mark.slow
+def test_a_stop_token_inside_a_character_keeps_the_text_before_it(scripted_qwen3_dir):
+    """The script's fourth token is the second byte of "中": as a stop token it ends the reply
+    after "é" and the first byte of "中". The text is "é" whether it is streamed or decoded once
+    at the end (generate, no stop strings), where the split character held the whole text back
+    and a stop token's finish never flushed it: the reply's text was lost."""
+    llm = LLM(scripted_qwen3_dir, dtype="float32")
+    script = llm.generate([SCRIPT_PROMPT], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.get_tokenizer().decode(script) == "é\ufffd"  # and 中's first two bytes
+    params = greedy(20, stop_token_ids=[script[3]])
+    final = llm.generate([SCRIPT_PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert (final.text, final.token_ids, final.finish_reason) == ("é", script, "stop")
+    outputs, (steps,) = run(llm, [SCRIPT_PROMPT], params)
+    assert outputs[0].outputs[0].text == steps[-1] == "é"
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 

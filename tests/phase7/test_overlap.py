@@ -211,3 +211,35 @@ def test_async_scheduling_is_a_bool_or_none_and_off_on_cpu_by_default(tiny_qwen3
     assert EngineConfig(async_scheduling=True).for_device("cpu").async_scheduling is True
     llm = LLM(tiny_qwen3_tied_dir, dtype="float32", device="cpu")
     assert llm.engine.config.async_scheduling is False
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_seeded_request_draws_its_ith_token_with_counter_i(tiny_qwen3_tied_dir, monkeypatch,
+                                                             stop_tokens, overlap):  # fmt: skip
+    """A seeded row's noise is keyed by its seed and counted by the index of the token it draws
+    (sampling.py): counters 0, 1, 2, ... one per token, with overlap's placeholders counted and
+    after a preemption too (plus one for the extra draw after a stop seen one step late). So its
+    tokens are the same whether it was preempted or not, recomputed or swapped."""
+    from phase7_optim import model_runner
+
+    params = workload(stop_tokens)
+    seeded_requests = [i for i, p in enumerate(params) if p.seed is not None]
+    tokens, build = {}, model_runner.SamplingBatch.build
+    for config, kwargs in CONFIGS.items():
+        counters = {i: [] for i in seeded_requests}
+
+        def recording_build(batch_params, draws, *args, counters=counters):
+            for p, d in zip(batch_params, draws, strict=True):
+                for i in seeded_requests:
+                    counters[i] += [d] if p is params[i] else []
+            return build(batch_params, draws, *args)
+
+        monkeypatch.setattr(model_runner.SamplingBatch, "build", recording_build)
+        done, _, preempted, _ = run(tiny_qwen3_tied_dir, monkeypatch, params, overlap, **kwargs)
+        monkeypatch.undo()
+        assert (preempted > 0) == (config != "roomy")
+        for i in seeded_requests:
+            n, late = len(done[i][0]), overlap and done[i][1] == "stop"
+            assert counters[i] == list(range(n + late)), (config, i)
+        tokens[config] = [done[i][0] for i in seeded_requests]
+    assert tokens["recompute"] == tokens["swap"] == tokens["roomy"]

@@ -51,7 +51,8 @@ def phase7_llm(tiny_dir):
 
 def phase7_params(params: SamplingParams) -> phase7_optim.SamplingParams:
     return phase7_optim.SamplingParams(temperature=params.temperature, seed=params.seed,
-                                       max_tokens=params.max_tokens, stop=params.stop)  # fmt: skip
+                                       max_tokens=params.max_tokens, stop=params.stop,
+                                       ignore_eos=params.ignore_eos)  # fmt: skip
 
 
 def core_outputs(llm, prompt, params) -> list[EngineCoreOutput]:
@@ -142,7 +143,11 @@ def test_the_offline_llm_is_the_engine_and_the_output_processor(llm, phase7_llm,
     strings and logprobs included: one hold-back rule, the output processor's, offline too; a
     streamed delta never shows what a later one takes back; a stop string ends the request in
     the engine too."""
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, logprobs=1) for s in range(3)]
+    # ignore_eos: only a stop string stops them
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=30, logprobs=1, ignore_eos=True)
+        for s in range(3)
+    ]
     if stopped:  # each request's own text holds its stop string
         free = phase7_llm.generate([PROMPT] * 3, [phase7_params(p) for p in params], use_tqdm=False)
         params = [dataclasses.replace(p, stop=stop_found_in(o.outputs[0].text))

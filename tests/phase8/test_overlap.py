@@ -197,6 +197,22 @@ def test_offline_outputs_are_those_of_the_engine_without_overlap(spread_dir, mon
     assert got[8][1].startswith("{")  # the grammar's, cut by max_tokens or complete
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_outputs_do_not_depend_on_preemption(spread_dir, monkeypatch, stops,
+                                                    async_scheduling):  # fmt: skip
+    """A seeded row's noise is keyed by its seed and the index of the token it draws
+    (sampling.py), not by a generator's state: the seeded requests (penalties, logit bias, a
+    grammar among them) produce the same tokens preempted (recompute or swap) as not."""
+    params = workload(*stops)
+    seeded_requests = [i for i, p in enumerate(params) if p.seed is not None]
+    tokens = {}
+    for config, kwargs in CONFIGS.items():
+        done, _, _ = offline(spread_dir, monkeypatch, params, async_scheduling, **kwargs)
+        tokens[config] = [done[i][0] for i in seeded_requests]
+    assert tokens["recompute"] == tokens["swap"] == tokens["roomy"]
+    assert len(seeded_requests) == 4
+
+
 # -- the engine core, with the output processor as its front end ----------------------------------
 
 

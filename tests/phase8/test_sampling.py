@@ -95,8 +95,8 @@ def sequence(prompt: list[int], output: list[int], params: SamplingParams) -> Se
 
 
 def bare_runner(eos_token_ids: frozenset[int] = frozenset()) -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)  # sample() uses the generators, device and EOS ids
-    runner.generators, runner.device = {}, torch.device("cpu")
+    runner = ModelRunner.__new__(ModelRunner)  # sample() uses the device and EOS ids
+    runner.device = torch.device("cpu")
     runner.eos_token_ids = eos_token_ids
     return runner
 
@@ -125,7 +125,6 @@ def test_runner_penalizes_the_sampled_rows():
         seqs = [sequence([1], [7] * 100, SamplingParams(seed=i, **penalty)) for i in range(4)]
         for i, seq in enumerate(seqs):
             seq.seq_id = i
-        runner.generators.clear()
         return runner.sample(logits, seqs).token_ids.tolist()
 
     assert draw() == [7] * 4
@@ -267,7 +266,7 @@ def test_runner_counts_a_placeholder_for_penalties_and_min_tokens():
 )
 def test_the_race_draws_as_phase7s():
     """Phase 8 carries phase 7's exponential race unchanged (kernels/sampling.py is the same
-    file): the same rows, generators and torch seed give the same tokens, step after step."""
+    file): the same rows, draw indices and torch seed give the same tokens, step after step."""
     pytest.importorskip("triton")
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
     temperatures, seeds = [0.7, 0.9, 0.0, 1.3], [21, None, None, 22]
@@ -275,9 +274,12 @@ def test_the_race_draws_as_phase7s():
     def tokens(sampling) -> list[list[int]]:
         params = [sampling.SamplingParams(temperature=t, seed=s)
                   for t, s in zip(temperatures, seeds, strict=True)]  # fmt: skip
-        generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-        batch = sampling.SamplingBatch.build(params, generators, VOCAB, logits.device)
         torch.manual_seed(5)
-        return [sampling.sample_by_race(logits, batch).tolist() for _ in range(3)]
+        return [
+            sampling.sample_by_race(
+                logits, sampling.SamplingBatch.build(params, [i] * 4, VOCAB, logits.device)
+            ).tolist()
+            for i in range(3)
+        ]
 
     assert tokens(phase8_serving.sampling) == tokens(phase7_optim.sampling)
