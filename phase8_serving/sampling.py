@@ -151,14 +151,15 @@ class SamplingBatch:
             seed = params[r].seed
             keys[r] = seed - 2**64 if seed >= 2**63 else seed  # the same 64 bits, as an int64
             counters[r] = draws[r]
+        noise = to([keys, counters], torch.int64)  # one copy for both
         return cls(
             temperature=to([1.0 if p.greedy else p.temperature for p in params], torch.float32),
             min_p=to([p.min_p for p in params], torch.float32),
             top_k=to(top_k, torch.int64),
             top_p=to([p.top_p for p in params], torch.float32),
             greedy=to(greedy, torch.bool),
-            noise_keys=to(keys, torch.int64),
-            noise_counters=to(counters, torch.int64),
+            noise_keys=noise[0],
+            noise_counters=noise[1],
             all_greedy=all(greedy),
             any_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
             any_top_k_top_p=any(
