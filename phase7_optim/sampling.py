@@ -45,6 +45,7 @@ whether it was preempted and recomputed.
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 TINY = torch.finfo(torch.float32).tiny  # noise floor: E == 0 would divide 0 / 0 for a dropped token
@@ -149,41 +150,33 @@ UNSEEDED_COUNTER = 1 << 32
 STEP_KEYS = (-(2**63), 2**63 - 1)  # a step's key for its unseeded rows: any int64
 
 
-def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The high and low 32-bit words of a * b, for a < 2**32 and b (int64 values < 2**32),
-    in int64 without overflow: a's two 16-bit halves times b stay below 2**48."""
-    high = (a >> 16) * b
-    low = (a & 0xFFFF) * b
-    return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & MASK32
-
-
-def philox4x32(
-    counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, ...]:
-    """Philox-4x32-10 on int64 tensors holding uint32 words (broadcast together): the torch twin
-    of kernels/sampling.py's `_philox4x32`, the same four words out."""
+def philox4x32(counter: tuple[np.ndarray, ...], key: tuple[np.ndarray, ...]) -> tuple:
+    """Philox-4x32-10 on numpy uint64 arrays holding uint32 words (broadcast together): the host
+    twin of kernels/sampling.py's `_philox4x32`, the same four words out (a product of two
+    32-bit words fits 64 bits: its high word is the kernel's umulhi, its low word the product)."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for _ in range(PHILOX_ROUNDS):
-        hi0, lo0 = _mul32(PHILOX_M0, c0)
-        hi2, lo2 = _mul32(PHILOX_M1, c2)
-        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+        p0, p2 = c0 * PHILOX_M0, c2 * PHILOX_M1
+        c0, c1, c2, c3 = (p2 >> 32) ^ c1 ^ k0, p2 & MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & MASK32
         k0, k1 = (k0 + PHILOX_W0) & MASK32, (k1 + PHILOX_W1) & MASK32
     return c0, c1, c2, c3
 
 
 def philox_exponential(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """keys, counters (S,) int64 (64-bit patterns) -> E ~ Exponential(1), (S, V) fp32: token t of
-    row s is word t % 4 of Philox(counter (t // 4, the counter's low and high halves, 0), key),
-    u = (2k + 1) / 2**24 from its top 23 bits, E = -log(u). What the race draws, on any device."""
-    quads = torch.arange((vocab_size + 3) // 4, device=keys.device)[None, :]
-    zero = torch.zeros_like(quads)
-    halves = lambda x: ((x & MASK32)[:, None], (x >> 32 & MASK32)[:, None])  # noqa: E731
-    (c1, c2), key = halves(counters), halves(keys)
+    """keys, counters (S,) int64 (64-bit patterns) -> E ~ Exponential(1), (S, V) fp32 on their
+    device: token t of row s is word t % 4 of Philox(counter (t // 4, the counter's low and high
+    halves, 0), key), u = (2k + 1) / 2**24 from its top 23 bits, E = -log(u). What the race draws,
+    computed on the host."""
+    halves = lambda x: (x & MASK32, x >> 32)  # noqa: E731
+    as_words = lambda x: halves(x.cpu().numpy().astype(np.uint64)[:, None])  # noqa: E731
+    (c1, c2), key = as_words(counters), as_words(keys)
+    quads = np.arange((vocab_size + 3) // 4, dtype=np.uint64)[None, :]
+    zero = np.zeros_like(quads)
     words = philox4x32((quads, zero + c1, zero + c2, zero), key)
-    words = torch.stack(words, dim=-1).flatten(1)[:, :vocab_size]
-    u = ((words >> 9) * 2 + 1).float() * 2.0**-24  # exact in fp32: never 0, never 1
-    return -u.log()
+    words = np.stack(words, axis=-1).reshape(len(keys), -1)[:, :vocab_size]
+    u = ((words >> 9) * 2 + 1).astype(np.float32) * np.float32(2.0**-24)  # never 0, never 1
+    return torch.from_numpy(-np.log(u)).to(keys.device)
 
 
 @dataclass

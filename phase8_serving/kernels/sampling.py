@@ -12,7 +12,7 @@ dtype) once; a greedy row takes the exact argmax of its logits.
 The pass draws the noise itself, from Philox-4x32-10, a counter-based generator: ten rounds of
 multiplies turn a 128-bit counter and a 64-bit key into four random 32-bit words, the same ones
 in any program, in any order, on any device (sampling.py's `philox4x32` is the same function in
-torch). So no (R, V) fp32 noise tensor is written and read back (at 256 rows 155 MB each way,
+numpy). So no (R, V) fp32 noise tensor is written and read back (at 256 rows 155 MB each way,
 twice the bf16 logits the pass exists to read), and no row needs a generator of its own. Each row
 brings its key and its counter (`SamplingBatch.noise_keys`, `noise_counters`): a seeded request's
 are its seed and the index of the token it draws, so its tokens follow from the seed alone,

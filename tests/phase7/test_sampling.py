@@ -4,12 +4,13 @@ Checked statistically as in phase 2 (fixed seeds, chi-square at 99.9%), with man
 logits in one batch standing in for many draws; greedy rows exactly; seeded rows independent of
 their batch, keyed by seed and token index. Philox against Random123's known answers; the race
 kernel (what CUDA runs without filters) under the Triton interpreter: exactly the torch formula on
-the torch twin's noise, its draws against softmax(logits / T), seeded rows as the torch path
+the host twin's noise, its draws against softmax(logits / T), seeded rows as the torch path
 draws them.
 """
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,8 +135,8 @@ def test_seeded_rows_sample_the_softmax():
     ],
 )
 def test_philox_gives_the_known_answers(counter, key, words):
-    as_tensors = lambda xs: tuple(torch.tensor([x]) for x in xs)  # noqa: E731
-    assert [int(w) for w in philox4x32(as_tensors(counter), as_tensors(key))] == list(words)
+    as_words = lambda xs: tuple(np.array([x], dtype=np.uint64) for x in xs)  # noqa: E731
+    assert [int(w[0]) for w in philox4x32(as_words(counter), as_words(key))] == list(words)
 
 
 def test_philox_noise_is_keyed_by_key_counter_and_token():
@@ -148,9 +149,9 @@ def test_philox_noise_is_keyed_by_key_counter_and_token():
     assert len({tuple(row.tolist()) for row in noise}) == len(keys)
     assert torch.equal(philox_exponential(keys[1:2], counters[1:2], 6), noise[1:2, :6])
     assert (noise > 0).all() and noise.isfinite().all()
-    zero = torch.tensor([0])
-    words = philox4x32((zero + 2, zero + 1, zero, zero), (zero + 7, zero))  # quad 2 of row 1
-    u = torch.stack(words).flatten()[:2].div(2**9, rounding_mode="floor").mul(2).add(1) * 2.0**-24
+    word = lambda x: np.array([x], dtype=np.uint64)  # noqa: E731
+    words = philox4x32((word(2), word(1), word(0), word(0)), (word(7), word(0)))  # row 1's quad 2
+    u = torch.tensor([(int(w[0]) >> 9) * 2 + 1 for w in words[:2]]) * 2.0**-24
     assert torch.allclose(noise[1, 8:10], -u.float().log())
 
 
@@ -181,7 +182,7 @@ def race(logits, temperature, greedy, keys, counters=None, block=1024):
 
 @needs_interpreter
 def test_exponential_race_kernel_is_the_torch_formula():
-    """argmax(logits / T - log E) on the torch twin's noise for each row's key and counter, and
+    """argmax(logits / T - log E) on the host twin's noise for each row's key and counter, and
     the exact argmax on greedy rows, ties to the lowest id, across the programs a row is split
     over too; the kernel's own noise equals the twin's."""
     pytest.importorskip("triton")
@@ -290,7 +291,7 @@ def test_gpu_sampled_distribution_through_the_kernel(temperature):
 
 @pytest.mark.gpu
 def test_gpu_seeded_rows_draw_the_torch_twins_noise_through_the_kernel():
-    """On CUDA, a seeded row's token is argmax(logits / T - log E) on the noise the torch twin
+    """On CUDA, a seeded row's token is argmax(logits / T - log E) on the noise the host twin
     computes for its seed and draw index, through the race (no filter) and through the torch path
     (a top-k that keeps everything), beside unseeded rows the kernel draws for."""
     from phase7_optim.kernels.sampling import exponential_noise
