@@ -122,6 +122,7 @@ class SamplingBatch:
     any_min_p: bool
     any_top_k_top_p: bool
     seeded: list[int] = field(default_factory=list)  # rows keyed by their request's seed
+    seeded_rows: torch.Tensor | None = None  # (S,) int64 on the device: `seeded`, if any
 
     @classmethod
     def build(
@@ -159,6 +160,7 @@ class SamplingBatch:
                 not p.greedy and (p.top_k is not None or p.top_p < 1.0) for p in params
             ),
             seeded=seeded,
+            seeded_rows=to(seeded, torch.int64) if seeded else None,
         )
 
 
@@ -178,8 +180,9 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
 
 def seeded_noise(batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
     """The seeded rows' noise (S, V) fp32, as the race draws it: one Triton launch on CUDA."""
-    rows = torch.tensor(batch.seeded, device=batch.noise_keys.device)
-    keys, counters = batch.noise_keys[rows], batch.noise_counters[rows]
+    # rows as a device tensor: indexing by a host list would copy it and wait for the device
+    keys = batch.noise_keys.index_select(0, batch.seeded_rows)
+    counters = batch.noise_counters.index_select(0, batch.seeded_rows)
     if keys.is_cuda:
         from .kernels.sampling import exponential_noise  # CPU-only installs may lack Triton
 
@@ -195,7 +198,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return sample_by_race(logits, batch)  # no filter needs the probabilities
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
     if batch.seeded:
-        noise[batch.seeded] = seeded_noise(batch, logits.shape[-1])
+        noise.index_copy_(0, batch.seeded_rows, seeded_noise(batch, logits.shape[-1]))
     noise.clamp_min_(TINY)
     logits = logits.float()
     greedy_tokens = logits.argmax(dim=-1)
