@@ -77,7 +77,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -173,11 +173,26 @@ class LLMRequest:
     state: RequestState  # its own collector merges the deltas nobody has read yet
     output_kind: RequestOutputKind
 
+    parent: "ParentRequest | None" = None  # the request of n > 1 it is choice `index` of
+    index: int = 0
+
     @property
     def detokenized_at_end(self) -> bool:
         """Nobody reads its text before it finishes and no stop string can end it: its ids go
         to the output processor once, when it finishes."""
         return self.output_kind is RequestOutputKind.FINAL_ONLY and not self.state.stops
+
+
+@dataclass
+class ParentRequest:
+    """A request for n > 1 completions (vLLM's `ParentRequest`): n engine requests in one group
+    (the scheduler is fair across groups), one `RequestOutput` id; FINAL_ONLY gathers the n
+    completions, in index order, into one output once the last one finishes."""
+
+    request_id: str
+    child_ids: list[str]
+    num_unfinished: int
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)  # FINAL_ONLY's
 
 
 class InFlightStep:
@@ -269,6 +284,11 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_optional("request_id", request_id, str)
         check_optional("group_id", group_id, str)
+        if params.n != 1:
+            raise ValueError(
+                f"the engine runs one completion a request, got n={params.n}: add n requests "
+                "(LLM does, and the server, each seeded seed + i)"
+            )
         params.check_token_ids(self.model.config.vocab_size)
         params.check_allowed_tokens(self.eos_token_ids)
         if params.structured_outputs is not None:
@@ -508,6 +528,8 @@ class LLM:
         self.engine = LLMEngine(loaded.model, tokenizer, config, trace)
         self.processor = OutputProcessor(tokenizer)  # no metrics offline
         self.requests: dict[str, LLMRequest] = {}
+        self.parents: dict[str, ParentRequest] = {}  # requests for n > 1 completions
+        self._parent_ids = itertools.count()
         if self.workers is not None:
             atexit.register(self.shutdown)
         if seed is not None:  # last: loading and profiling draw nothing a request would see
@@ -587,20 +609,64 @@ class LLM:
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> str:
-        """Queues one request; raises (changing nothing) if it is malformed or can never run."""
+        """Queues one request; raises (changing nothing) if it is malformed or can never run.
+        With `params.n` > 1 it queues n, choice i seeded `seed + i` (vLLM's rule), whose outputs
+        come back under one request id, each completion with its `index`."""
         check_optional("output_kind", output_kind, RequestOutputKind)
-        request_id = self.engine.add_request(prompt, params, request_id)
+        check_optional("request_id", request_id, str)
+        if request_id in self.parents or (request_id is not None and request_id in self.requests):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams) or params.n == 1:
+            return self._add_one(prompt, params, request_id, output_kind)
+        if request_id is None:
+            request_id = f"parent-{next(self._parent_ids)}"
+        parent = ParentRequest(request_id, [], params.n)
+        try:
+            for i in range(params.n):
+                seed = None if params.seed is None else (params.seed + i) % SEED_LIMIT
+                child = replace(params, n=1, seed=seed)
+                child_id = self._add_one(prompt, child, f"{i}_{request_id}", output_kind,
+                                         request_id, parent, i)  # fmt: skip
+                parent.child_ids.append(child_id)
+        except BaseException:
+            for child_id in parent.child_ids:
+                self._abort_one(child_id)
+            raise
+        self.parents[request_id] = parent
+        return request_id
+
+    def _add_one(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None,
+        output_kind: RequestOutputKind,
+        group_id: str | None = None,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+    ) -> str:
+        request_id = self.engine.add_request(prompt, params, request_id, group_id)
         request = self.engine.requests[request_id]
         prompt_ids = request.seq.prompt_token_ids
         state = RequestState.start(request_id, 0, RequestOutputCollector(), self.engine.tokenizer,
                                    prompt_ids, params)  # fmt: skip
         self.processor.add(state)
         prompt_text = prompt if isinstance(prompt, str) else None
-        self.requests[request_id] = LLMRequest(request, prompt_text, state, output_kind)
+        self.requests[request_id] = LLMRequest(request, prompt_text, state, output_kind, parent,
+                                               index)  # fmt: skip
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        """Stops a request and frees its KV slots; unknown or finished ids are ignored."""
+        """Stops a request and frees its KV slots; unknown or finished ids are ignored. A request
+        of n > 1 stops all its choices (naming one of them stops them all)."""
+        child = self.requests.get(request_id)
+        if child is not None and child.parent is not None:
+            request_id = child.parent.request_id
+        parent = self.parents.pop(request_id, None)
+        for child_id in parent.child_ids if parent is not None else [request_id]:
+            self._abort_one(child_id)
+
+    def _abort_one(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.processor.remove([request_id])
         self.engine.abort_request(request_id)
@@ -631,8 +697,31 @@ class LLM:
             if done:
                 del self.requests[out.request_id]
             deltas = llm_request.state.collector.get_nowait()  # raises if its text failed
-            results.append(self._request_output(llm_request, deltas[0]))
+            result = self._request_output(llm_request, deltas[0])
+            if llm_request.parent is not None:
+                result = self._parent_output(llm_request, result, done)
+            if result is not None:
+                results.append(result)
         return results
+
+    def _parent_output(
+        self, child: LLMRequest, output: RequestOutput, done: bool
+    ) -> RequestOutput | None:
+        """A choice's output as its parent request's: its id, finished once every choice is;
+        FINAL_ONLY: None until then, and then all n completions in index order."""
+        parent = child.parent
+        parent.num_unfinished -= done
+        finished = parent.num_unfinished == 0
+        if finished:
+            del self.parents[parent.request_id]
+        completions = output.outputs
+        if child.output_kind is RequestOutputKind.FINAL_ONLY:
+            parent.completions[child.index] = output.outputs[0]
+            if not finished:
+                return None
+            completions = [parent.completions[i] for i in range(len(parent.child_ids))]
+        return replace(output, request_id=parent.request_id, outputs=completions,
+                                   finished=finished)  # fmt: skip
 
     def _core_output(self, out: TokenIdsOutput) -> EngineCoreOutput | None:
         """The engine's output as the output processor takes it (the engine core's message);
@@ -653,8 +742,8 @@ class LLM:
     def _request_output(self, llm_request: LLMRequest, delta: OutputDelta) -> RequestOutput:
         seq = llm_request.request.seq
         logprobs = None if delta.logprobs is None else list(delta.logprobs)
-        completion = CompletionOutput(0, delta.text, list(delta.token_ids), delta.finish_reason,
-                                      logprobs, delta.stop_reason)  # fmt: skip
+        completion = CompletionOutput(llm_request.index, delta.text, list(delta.token_ids),
+                                      delta.finish_reason, logprobs, delta.stop_reason)  # fmt: skip
         cached = seq.num_cached_tokens if seq.num_cached_tokens >= 0 else None
         prompt_logprobs = llm_request.state.collector.prompt_logprobs.get(0)
         return RequestOutput(seq.request_id, llm_request.prompt, seq.prompt_token_ids,

@@ -16,7 +16,8 @@ Fields (vLLM's names and meanings): temperature, top_k, top_p and min_p (samplin
 them), max_tokens, seed, ignore_eos, stop_token_ids and stop strings (include_stop_str_in_output),
 skip_special_tokens, presence/frequency/repetition penalties, logprobs and prompt_logprobs
 (logprobs.py), min_tokens, logit_bias, allowed_token_ids and structured_outputs (the reply must
-be JSON, or one of given strings: structured_output.py).
+be JSON, or one of given strings: structured_output.py), and n (completions of one prompt, run
+by `LLM` as n requests, vLLM's parallel sampling; the engine takes one at a time).
 """
 
 import functools
@@ -142,6 +143,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be sampled
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's: JSON, or one of choices
+    n: int = 1  # completions of the prompt: `LLM` runs n requests (choice i seeded seed + i)
 
     def __post_init__(self):
         # Accept vLLM users' habits (a list) but store tuples: params are frozen.
@@ -174,6 +176,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("n", self.n, minimum=1)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
             if self.seed >= SEED_LIMIT:

@@ -412,3 +412,70 @@ def test_a_request_whose_text_fails_fails_alone_and_is_aborted(llm):
         collectors["bad"].get_nowait()
     assert collectors["good"].get_nowait()[0].token_ids == [42]
     assert "bad" not in processor.states and "good" in processor.states
+
+
+# -- n > 1: one request, n completions (vLLM's parallel sampling) --------------------------------
+
+
+def test_n_completions_are_n_requests_seeded_seed_plus_i(llm):
+    """generate with n=3 gives one output per prompt, its completions in index order, choice i
+    exactly what n=1 with seed + i gives (vLLM's rule); the choices share one fairness group; a
+    greedy n=2 repeats itself."""
+    params = SamplingParams(temperature=1.0, seed=2**64 - 2, n=3, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([PROMPT, PROMPT[:2]], params, use_tqdm=False)
+    assert len(outs) == 2 and all(o.finished for o in outs)
+    for out, prompt in zip(outs, [PROMPT, PROMPT[:2]], strict=True):
+        assert out.prompt_token_ids == prompt and [c.index for c in out.outputs] == [0, 1, 2]
+        for i, completion in enumerate(out.outputs):
+            one = dataclasses.replace(params, n=1, seed=(params.seed + i) % 2**64)
+            alone = llm.generate([prompt], one, use_tqdm=False)[0].outputs[0]
+            assert (completion.text, completion.token_ids) == (alone.text, alone.token_ids)
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0.0, n=2, max_tokens=8),
+                          use_tqdm=False)[0].outputs  # fmt: skip
+    assert greedy[0].token_ids == greedy[1].token_ids and greedy[1].index == 1
+    llm.add_request(PROMPT, SamplingParams(n=2), request_id="grouped")
+    groups = {llm.engine.requests[f"{i}_grouped"].seq.group_id for i in range(2)}
+    llm.abort_request("grouped")
+    assert groups == {"grouped"}
+
+
+def test_n_completions_stream_under_one_id_and_abort_together(llm):
+    """Streamed (DELTA): each output carries one choice's delta with its index, under the
+    request's id, finished only with the last choice; the deltas add up to generate's. Aborting
+    the request (or one of its choices) stops every choice and frees their blocks."""
+    params = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=10, ignore_eos=True,
+                            stop=("zz",))  # fmt: skip
+    final = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    request_id = llm.add_request(PROMPT, params, output_kind=RequestOutputKind.DELTA)
+    texts, finished = ["", ""], []
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.request_id == request_id and len(out.outputs) == 1
+            texts[out.outputs[0].index] += out.outputs[0].text
+            finished.append(out.finished)
+    assert texts == [c.text for c in final]
+    assert finished[-1] and not any(finished[:-1])
+    assert not llm.parents and not llm.requests
+    for name in ("whole", "0_whole"):
+        llm.add_request(PROMPT, params, request_id="whole")
+        llm.step()
+        llm.abort_request(name)
+        assert not llm.has_unfinished_requests() and not llm.parents and not llm.requests
+        assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_n_is_checked_and_the_engine_takes_one(llm):
+    for bad, error in ((0, ValueError), (True, TypeError), (2.0, TypeError)):
+        with pytest.raises(error, match="SamplingParams.n"):
+            SamplingParams(n=bad)
+    with pytest.raises(ValueError, match="one completion a request, got n=2"):
+        llm.engine.add_request(PROMPT, SamplingParams(n=2))
+    llm.add_request(PROMPT, SamplingParams(n=2), request_id="taken")
+    for n in (1, 2):
+        with pytest.raises(ValueError, match="'taken' is already in use"):
+            llm.add_request(PROMPT, SamplingParams(n=n), request_id="taken")
+    with pytest.raises(ValueError, match="exceeds"):  # the first choice fails: nothing queued
+        llm.add_request(PROMPT, SamplingParams(n=3, max_tokens=10**6))
+    llm.abort_request("taken")
+    assert not llm.has_unfinished_requests() and not llm.parents and not llm.requests
