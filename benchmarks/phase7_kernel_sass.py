@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.harness import benchmark_parser, parse_args, write_result
-from phase7_optim.kernels import flash_prefill, fused, paged_decode
+from phase7_optim.kernels import flash_prefill, fused, paged_decode, sampling
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100, H200)
 GROUP, BLOCK_SIZE, HEAD_DIM = 2, 16, 128  # Qwen3-0.6B's GQA group, W's block size
@@ -194,6 +194,24 @@ def prefill_row() -> dict:
             "config": config.__dict__, **result}  # fmt: skip
 
 
+def sampling_race() -> dict:
+    """The exponential race (kernels/sampling.py) at Qwen3's vocabulary chunks, bf16 logits: its
+    instructions, the high halves of Philox's products (IMAD.HI: two a round, ten rounds a call)
+    and spills. The interpreter runs Triton's language with numpy's rules; only the compiler
+    says whether the kernel is one a GPU can run."""
+    types = {"logits_ptr": "*bf16", "keys_ptr": "*i64", "counters_ptr": "*i64",
+             "inv_temperature_ptr": "*fp32", "greedy_ptr": "*i1", "best_ptr": "*fp32",
+             "best_idx_ptr": "*i32"}  # fmt: skip
+    source = signature(sampling._exponential_race_kernel, types, {"BLOCK": sampling.VOCAB_BLOCK})
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": 4, "num_stages": 2})
+    sass = cubin_tool(NVDISASM, ["-c"], compiled.asm["cubin"]).splitlines()
+    return {
+        "instructions": sum(1 for line in sass if INSTRUCTION.match(line)),
+        "multiply_high": sum(1 for line in sass if re.search(r"\bIMAD\.HI\b", line)),
+        "spill_instructions": spills(compiled.asm["cubin"]),
+    }
+
+
 def build_parser():
     return benchmark_parser(__doc__, threads=False)  # compiles only: --quick changes nothing
 
@@ -213,8 +231,11 @@ def main():
     print(f"paged decode, global loads before the wait: {loads}")
     rope = rope_store_loads_before_wait()
     print(f"q/k norm + RoPE + store, global loads before the wait: {rope}")
+    race = sampling_race()
+    print(f"the exponential race: {race}")
     result = {"target": "sm_90", "triton": triton.__version__, "rows": rows,
-              "decode_loads_before_wait": loads, "rope_store_loads_before_wait": rope}  # fmt: skip
+              "decode_loads_before_wait": loads, "rope_store_loads_before_wait": rope,
+              "sampling_race": race}  # fmt: skip
     print(f"wrote {write_result('phase7_kernel_sass', result, args.out)}")
 
 

@@ -278,6 +278,19 @@ def test_an_unseeded_row_counts_by_its_row_and_a_seeded_one_by_its_draw():
     assert batch.noise_keys.tolist()[::2] == [5, -(2**63)]
 
 
+def test_the_race_compiles_for_hopper_with_philox_inside():
+    """The interpreter runs Triton's language with numpy's rules (it accepted a constexpr global
+    the compiler refuses): compiled for sm_90 without a GPU, the race must build, hold Philox's
+    multiplies (two high halves a round, ten rounds a call: at least 20) and spill nothing."""
+    from .test_kernels import compiled_for_hopper
+
+    race = compiled_for_hopper(
+        "import json; from benchmarks.phase7_kernel_sass import sampling_race; "
+        "print(json.dumps(sampling_race()))"
+    )
+    assert race["multiply_high"] >= 20 and race["spill_instructions"] == 0, race
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_gpu_sampled_distribution_through_the_kernel(temperature):
