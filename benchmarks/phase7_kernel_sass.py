@@ -14,7 +14,8 @@ loops) with its instruction count per thread and per 64 keys for the whole block
 and the count of each opcode. Counts are static (one pass through the loop body), not timings.
 For decode attention (with and without `early_loads`, 128- and 256-wide heads) and q/k norm +
 RoPE + store it also reports the global loads issued before the PDL wait, the spilled-register
-instructions and the registers a thread holds (how many programs fit an SM).
+instructions and the registers a thread holds (how many programs fit an SM); for the sampling
+race, its instructions and Philox's multiplies.
 
 Run (any machine with Triton): python -m benchmarks.phase7_kernel_sass [--out DIR]
 Writes phase7_kernel_sass.json. The counts depend on the Triton version (the JSON names it).
