@@ -322,12 +322,26 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.model.tp.size > 1:
             raise ValueError(PROMPT_LOGPROBS_NEED_ONE_RANK)
         seq = Sequence(seq_id, request_id, prompt_ids, params, group_id)
+        seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         self.requests[request_id] = request = Request(seq)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first token: nothing before it to score
             self.runner.scoring.add(seq_id)
         self.scheduler.add(seq)
         return request_id
+
+    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens as written (leading spaces dropped), and with one leading space
+        where that spells it in as many tokens, starting with another (vLLM's rule: " bad" is
+        how a word usually appears mid-sentence)."""
+        spellings = []
+        for word in bad_words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            spellings.append(tuple(alone))
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                spellings.append(tuple(spaced))
+        return tuple(spellings)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -137,6 +137,19 @@ class SampledTokens:
         return {} if self.prompt is None else self.prompt.tolists()
 
 
+class PreviousTokens:
+    """The tokens of the step before, read (waiting for their copy) only if a row asks: what a
+    placeholder is, for the host-side rules that need it (bad words)."""
+
+    def __init__(self, previous: SampledTokens | None):
+        self.previous, self.tokens = previous, None
+
+    def __call__(self, seq: Sequence) -> int:
+        if self.tokens is None:
+            self.tokens = self.previous.tolist()
+        return self.tokens[self.previous.row_of[seq.seq_id]]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -383,8 +396,9 @@ class ModelRunner:
         raw_logits = logits
         if any(p.structured_outputs for p in params):
             logits = self._keep_grammar_tokens(logits, seqs, previous)
-        if any(p.logit_bias or p.min_tokens for p in params):
-            biases = [self._logit_bias(s) for s in seqs]
+        if any(p.logit_bias or p.min_tokens or p.bad_words for p in params):
+            read = PreviousTokens(previous)
+            biases = [self._logit_bias(s) | self._bad_word_bans(s, read) for s in seqs]
             if any(biases):
                 logits = apply_logit_bias(logits, biases)
         if any(p.allowed_token_ids for p in params):
@@ -473,6 +487,21 @@ class ModelRunner:
             return bias
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         return {**bias, **dict.fromkeys(stops, float("-inf"))}
+
+    def _bad_word_bans(self, seq: Sequence, read: PreviousTokens) -> dict[int, float]:
+        """-inf on the last token of each bad word whose other tokens end the output (vLLM's
+        rule: the word may start, it may not be completed); the output's last token may be a
+        placeholder, read from the step that sampled it."""
+        bans = {}
+        for *prefix, last in seq.bad_words_token_ids:
+            if prefix:
+                output = seq.token_ids[seq.num_prompt_tokens :]
+                if seq.num_output_placeholders:
+                    output = output + [read(seq)]
+                if output[len(output) - len(prefix) :] != prefix:
+                    continue
+            bans[last] = float("-inf")
+        return bans
 
     @torch.no_grad()
     def launch(

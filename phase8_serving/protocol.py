@@ -11,8 +11,8 @@ fuzzers see is exactly what is enforced. `sampling_params` turns a valid body in
 vLLM's extras are accepted too: top_k (-1 or 0: off), min_p, repetition_penalty, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, min_tokens, chat_template_kwargs,
 return_token_ids, return_tokens_as_token_ids, prompt_logprobs, add_special_tokens,
-truncate_prompt_tokens, allowed_token_ids, structured_outputs (and its older names guided_json,
-guided_choice, guided_regex, guided_grammar). Structured outputs come from OpenAI's
+truncate_prompt_tokens, allowed_token_ids, bad_words, structured_outputs (and its older names
+guided_json, guided_choice, guided_regex, guided_grammar). Structured outputs come from OpenAI's
 `response_format` (json_object, json_schema) or vLLM's fields, one of them per request; a schema
 this server cannot enforce is a 400 that says which keyword.
 
@@ -160,6 +160,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[TokenIdKey, Bias] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
+    bad_words: list[NonEmptyStr] | None = None  # vLLM's
     # vLLM's: None adds them to a prompt (Llama 3's BOS), not to a chat (its template has them)
     add_special_tokens: bool | None = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
@@ -299,6 +300,7 @@ class SamplingRequest(BaseModel):
                 int(token): bias for token, bias in self.logit_bias.items()
             },
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=tuple(self.bad_words or ()),
             structured_outputs=self.structured_outputs_params(),
         )  # fmt: skip
 

@@ -15,9 +15,11 @@ fits in 64 bits, and `check_token_ids` holds the ids a request names to the mode
 Fields (vLLM's names and meanings): temperature, top_k, top_p and min_p (sampling.py applies
 them), max_tokens, seed, ignore_eos, stop_token_ids and stop strings (include_stop_str_in_output),
 skip_special_tokens, presence/frequency/repetition penalties, logprobs and prompt_logprobs
-(logprobs.py), min_tokens, logit_bias, allowed_token_ids and structured_outputs (the reply must
-be JSON, or one of given strings: structured_output.py), and n (completions of one prompt, run
-by `LLM` as n requests, vLLM's parallel sampling; the engine takes one at a time).
+(logprobs.py), min_tokens, logit_bias, allowed_token_ids, bad_words (words the reply may not
+complete: the engine bans a word's last token where its others end the output) and
+structured_outputs (the reply must be JSON, or one of given strings: structured_output.py), and
+n (completions of one prompt, run by `LLM` as n requests, vLLM's parallel sampling; the engine
+takes one at a time).
 """
 
 import functools
@@ -38,6 +40,9 @@ MAX_ABS_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2] (the OpenA
 # Beyond these, a penalized logit overflows float32 and softmax gives NaN.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_ABS_LOGIT_BIAS = 100.0  # the OpenAI API's range for logit_bias values
+# bad_words are checked on the host for every row, every step: a list of thousands would slow
+# each step of everyone's batch
+MAX_BAD_WORDS = 1024
 PROMPT_LOGPROBS_NEED_ONE_RANK = (
     "prompt_logprobs (and echo with logprobs) need tensor_parallel_size 1: only rank 0 scores"
 )
@@ -142,6 +147,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the request before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be sampled
+    bad_words: tuple[str, ...] = ()  # vLLM's: words the reply may not complete
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's: JSON, or one of choices
     n: int = 1  # completions of the prompt: `LLM` runs n requests (choice i seeded seed + i)
 
@@ -238,6 +244,21 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
             for token in self.allowed_token_ids:
                 _check_int("allowed_token_ids", token, minimum=0)
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))  # one word, as for stop
+        if not isinstance(self.bad_words, list | tuple) or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise TypeError(
+                "SamplingParams.bad_words must be a list of non-blank strings, "
+                f"got {self.bad_words!r}"
+            )
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"SamplingParams.bad_words holds at most {MAX_BAD_WORDS} words, "
+                f"got {len(self.bad_words)}"
+            )
         if self.structured_outputs is not None:
             self._check_structured_outputs()
 

@@ -59,6 +59,7 @@ class Sequence:
         self.num_output_placeholders = 0  # sampled on the device, not yet read by the host
         self.num_cached_tokens = -1  # found in the prefix cache at its first admission (vLLM's)
         self.num_prompt_scored = 0  # prompt_logprobs: positions whose next token has been scored
+        self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # each bad word, tokenized
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
 

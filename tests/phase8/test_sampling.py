@@ -283,3 +283,58 @@ def test_the_race_draws_as_phase7s():
         ]
 
     assert tokens(phase8_serving.sampling) == tokens(phase7_optim.sampling)
+
+
+# -- bad_words (vLLM's): a word may start, never be completed -----------------------------------
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_are_never_completed_offline(tiny_dir, async_scheduling):
+    """The tiny model's greedy reply repeats one byte; banning it removes it, banning it twice
+    in a row lets it start once and never again after itself. With overlap scheduling the
+    output's last token is a placeholder when the next step samples: the ban reads it from the
+    step before, and the tokens are those of the engine without overlap."""
+    from phase8_serving import LLM
+
+    llm = LLM(tiny_dir, dtype="float32", device="cpu", async_scheduling=async_scheduling)
+    prompt, greedy = [72, 105, 33], dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    (free,) = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)
+    byte = free.outputs[0].token_ids[0]
+    assert free.outputs[0].token_ids == [byte] * 16  # the test's premise
+    word = llm.get_tokenizer().decode([byte])
+    outs = llm.generate([prompt] * 2, [SamplingParams(**greedy, bad_words=[word]),
+                                       SamplingParams(**greedy, bad_words=[word * 2])],
+                        use_tqdm=False)  # fmt: skip
+    never, once = (o.outputs[0].token_ids for o in outs)
+    assert byte not in never
+    assert once[0] == byte and byte not in once[1:]  # after it, the byte would complete the pair
+    if async_scheduling:
+        plain = LLM(tiny_dir, dtype="float32", device="cpu", async_scheduling=False)
+        again = plain.generate([prompt], SamplingParams(**greedy, bad_words=[word * 2]),
+                               use_tqdm=False)  # fmt: skip
+        assert again[0].outputs[0].token_ids == once
+
+
+def test_a_bad_word_is_banned_as_written_and_after_a_space():
+    """Qwen3's tokenizer: " hello" is one token, not "hello"'s: both spellings are banned (vLLM's
+    rule); a word whose spaced spelling takes more tokens keeps only its own."""
+    from phase8_serving.engine import LLMEngine
+    from phase8_serving.tokenizer import Tokenizer
+    from tests.assets import qwen3_tokenizer_dir
+
+    engine = LLMEngine.__new__(LLMEngine)  # the tokenizer is all `_bad_words_token_ids` reads
+    engine.tokenizer = tokenizer = Tokenizer.from_dir(qwen3_tokenizer_dir())
+    encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    assert len(encode("hello")) == len(encode(" hello")) == 1
+    assert engine._bad_words_token_ids(("  hello",)) == (encode("hello"), encode(" hello"))
+    assert len(encode(" \u4f60\u597d")) > len(encode("\u4f60\u597d"))  # 你好: a space more
+    assert engine._bad_words_token_ids(("\u4f60\u597d",)) == (encode("\u4f60\u597d"),)
+
+
+def test_bad_words_are_checked():
+    assert SamplingParams(bad_words="x").bad_words == ("x",)  # one word, as `stop` takes one
+    for bad in ([""], [" "], [1], 3):
+        with pytest.raises(TypeError, match="bad_words"):
+            SamplingParams(bad_words=bad)
+    with pytest.raises(ValueError, match="at most 1024 words"):
+        SamplingParams(bad_words=["x"] * 1025)
