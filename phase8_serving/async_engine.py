@@ -188,6 +188,8 @@ class AsyncLLM:
         for prompt, p in zip(prompts, params, strict=True):
             check_prompt(self.info, prompt, p)
             p.check_allowed_tokens(self.tokenizer.eos_token_ids)
+            if p.bad_words:  # the engine tokenizes them again: only its own copy is used
+                p.bad_words_token_ids(lambda w: self.tokenizer.encode(w, add_special_tokens=False))
             if p.structured_outputs is not None:
                 check_byte_level(self.tokenizer)
         if not self.client.is_alive:

@@ -291,6 +291,7 @@ class LLMEngine:
             )
         params.check_token_ids(self.model.config.vocab_size)
         params.check_allowed_tokens(self.eos_token_ids)
+        bad_words = params.bad_words_token_ids(self._encode_word)
         if params.structured_outputs is not None:
             check_byte_level(self.tokenizer)
         prompt_ids = self._tokenize(prompt)
@@ -322,7 +323,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.model.tp.size > 1:
             raise ValueError(PROMPT_LOGPROBS_NEED_ONE_RANK)
         seq = Sequence(seq_id, request_id, prompt_ids, params, group_id)
-        seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        seq.bad_words_token_ids = bad_words
         self.requests[request_id] = request = Request(seq)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first token: nothing before it to score
@@ -330,18 +331,8 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word's tokens as written (leading spaces dropped), and with one leading space
-        where that spells it in as many tokens, starting with another (vLLM's rule: " bad" is
-        how a word usually appears mid-sentence)."""
-        spellings = []
-        for word in bad_words:
-            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            spellings.append(tuple(alone))
-            if len(spaced) == len(alone) and spaced[0] != alone[0]:
-                spellings.append(tuple(spaced))
-        return tuple(spellings)
+    def _encode_word(self, word: str) -> list[int]:
+        return self.tokenizer.encode(word, add_special_tokens=False)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -492,15 +492,16 @@ class ModelRunner:
         """-inf on the last token of each bad word whose other tokens end the output (vLLM's
         rule: the word may start, it may not be completed); the output's last token may be a
         placeholder, read from the step that sampled it."""
+        words = seq.bad_words_token_ids
+        longest = max((len(word) - 1 for word in words), default=0)
+        # the output's last `longest` tokens (only those: an output may be long, a step short)
+        tail = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - longest) :]
+        if longest and seq.num_output_placeholders:
+            tail.append(read(seq))
         bans = {}
-        for *prefix, last in seq.bad_words_token_ids:
-            if prefix:
-                output = seq.token_ids[seq.num_prompt_tokens :]
-                if seq.num_output_placeholders:
-                    output = output + [read(seq)]
-                if output[len(output) - len(prefix) :] != prefix:
-                    continue
-            bans[last] = float("-inf")
+        for *prefix, last in words:
+            if not prefix or tail[len(tail) - len(prefix) :] == prefix:
+                bans[last] = float("-inf")
         return bans
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ takes one at a time).
 import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,6 +314,26 @@ class SamplingParams:
                 "SamplingParams.allowed_token_ids holds only stop tokens, which min_tokens "
                 "forbids at first: nothing could be sampled"
             )
+
+    def bad_words_token_ids(
+        self, encode: Callable[[str], list[int]]
+    ) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens as written (leading spaces dropped), and with one leading space
+        where that spells it in as many tokens, starting with another (vLLM's rule: " bad" is
+        how a word usually appears mid-sentence). Raises ValueError if every allowed token is a
+        one-token bad word: nothing could ever be sampled."""
+        spellings = []
+        for word in self.bad_words:
+            alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+            spellings.append(tuple(alone))
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                spellings.append(tuple(spaced))
+        banned = {word[0] for word in spellings if len(word) == 1}  # banned at every step
+        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= banned:
+            raise ValueError(
+                "SamplingParams.allowed_token_ids holds only bad words: nothing could be sampled"
+            )
+        return tuple(spellings)
 
     @property
     def greedy(self) -> bool:

@@ -563,6 +563,9 @@ def test_bad_words_are_never_completed(http, token_id):
     for bad in ([""], "b", [1], ["x"] * 1025):
         error = assert_openai_error(post(http, "chat", {"bad_words": bad}), 400)
         assert "bad_words" in error["message"]
+    error = assert_openai_error(post(http, "completions", {
+        "allowed_token_ids": [a, b], "bad_words": ["a", "b"]}), 400)  # fmt: skip
+    assert "only bad words" in error["message"]
     assert_still_serving(http)
 
 

@@ -322,13 +322,17 @@ def test_a_bad_word_is_banned_as_written_and_after_a_space():
     from phase8_serving.tokenizer import Tokenizer
     from tests.assets import qwen3_tokenizer_dir
 
-    engine = LLMEngine.__new__(LLMEngine)  # the tokenizer is all `_bad_words_token_ids` reads
-    engine.tokenizer = tokenizer = Tokenizer.from_dir(qwen3_tokenizer_dir())
-    encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    engine = LLMEngine.__new__(LLMEngine)  # the tokenizer is all `_encode_word` reads
+    engine.tokenizer = Tokenizer.from_dir(qwen3_tokenizer_dir())
+    encode = lambda text: tuple(engine._encode_word(text))  # noqa: E731
+    spelled = lambda *words: SamplingParams(bad_words=words).bad_words_token_ids(encode)  # noqa: E731
     assert len(encode("hello")) == len(encode(" hello")) == 1
-    assert engine._bad_words_token_ids(("  hello",)) == (encode("hello"), encode(" hello"))
+    assert spelled("  hello") == (encode("hello"), encode(" hello"))
     assert len(encode(" \u4f60\u597d")) > len(encode("\u4f60\u597d"))  # 你好: a space more
-    assert engine._bad_words_token_ids(("\u4f60\u597d",)) == (encode("\u4f60\u597d"),)
+    assert spelled("\u4f60\u597d") == (encode("\u4f60\u597d"),)
+    allowed = SamplingParams(bad_words=["hello"], allowed_token_ids=list(encode("hello")))
+    with pytest.raises(ValueError, match="only bad words"):
+        allowed.bad_words_token_ids(encode)
 
 
 def test_bad_words_are_checked():
