@@ -41,6 +41,7 @@ from pydantic_core import PydanticCustomError
 from .sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
+    MAX_BAD_WORDS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -60,6 +61,7 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 StopList = Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)]
+BadWords = Annotated[list[str], Field(max_length=MAX_BAD_WORDS)]
 # logit_bias keys are token ids spelled in decimal (JSON keys are strings); 10 digits at most, so
 # parsing stays cheap and the engine's vocabulary check says the rest
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -160,7 +162,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[TokenIdKey, Bias] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
-    bad_words: list[NonEmptyStr] | None = None  # vLLM's
+    bad_words: BadWords | None = None  # vLLM's
     # vLLM's: None adds them to a prompt (Llama 3's BOS), not to a chat (its template has them)
     add_special_tokens: bool | None = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
@@ -177,6 +179,15 @@ class SamplingRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as by vLLM
+
+    @field_validator("bad_words")
+    @classmethod
+    def _no_blank_words(cls, value: list[str] | None) -> list[str] | None:
+        # a blank word would ban nothing, or a space: SamplingParams refuses it too
+        for i, word in enumerate(value or ()):
+            if not word.strip():
+                raise PydanticCustomError("blank", f"word {i} is blank ({word!r})")
+        return value
 
     @model_validator(mode="after")
     def _one_structured_output(self):

@@ -248,11 +248,15 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             object.__setattr__(self, "bad_words", (self.bad_words,))  # one word, as for stop
         if not isinstance(self.bad_words, list | tuple) or not all(
-            isinstance(w, str) and w.strip() for w in self.bad_words
+            isinstance(w, str) for w in self.bad_words
         ):
             raise TypeError(
-                "SamplingParams.bad_words must be a list of non-blank strings, "
-                f"got {self.bad_words!r}"
+                f"SamplingParams.bad_words must be a list of strings, got {self.bad_words!r}"
+            )
+        if not all(w.strip() for w in self.bad_words):
+            # a blank word would be a ban on nothing (or on a space): say so instead
+            raise ValueError(
+                f"SamplingParams.bad_words must hold no blank words, got {self.bad_words!r}"
             )
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if len(self.bad_words) > MAX_BAD_WORDS:

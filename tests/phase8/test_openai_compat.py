@@ -553,16 +553,17 @@ def test_allowed_token_ids_restrict_what_is_sampled(http, token_id, eos_id):
 def test_bad_words_are_never_completed(http, token_id):
     """vLLM's `bad_words`: a word may start but never be completed. Greedy and biased towards
     "b", then "a", the reply is "bbb..."; banning "bb" and "ab" it is "b" then only "a"s (each
-    "b" would complete one); banning "b" there is no "b" at all; an empty word is a 400."""
+    "b" would complete one); banning "b" there is no "b" at all; an empty or blank word is a 400
+    that names the field."""
     a, b = token_id("a"), token_id("b")
     force = {"logit_bias": {str(a): FORCE - 1, str(b): FORCE}, "max_tokens": 12, "temperature": 0}
     assert complete(http, **force)["choices"][0]["text"] == "b" * 12
     assert complete(http, bad_words=["bb", "ab"], **force)["choices"][0]["text"] == "b" + "a" * 11
     in_chat = chat(http, bad_words=["b"], **force)["choices"][0]["message"]["content"]
     assert in_chat == "a" * 12
-    for bad in ([""], "b", [1], ["x"] * 1025):
-        error = assert_openai_error(post(http, "chat", {"bad_words": bad}), 400)
-        assert "bad_words" in error["message"]
+    for bad in ([""], [" "], ["b", "\t\n"], "b", [1], ["x"] * 1025):
+        error = assert_openai_error(post(http, "chat", {"bad_words": bad}), 400, "bad_words")
+        assert error["message"].startswith("bad_words")
     error = assert_openai_error(post(http, "completions", {
         "allowed_token_ids": [a, b], "bad_words": ["a", "b"]}), 400)  # fmt: skip
     assert "only bad words" in error["message"]

@@ -337,8 +337,11 @@ def test_a_bad_word_is_banned_as_written_and_after_a_space():
 
 def test_bad_words_are_checked():
     assert SamplingParams(bad_words="x").bad_words == ("x",)  # one word, as `stop` takes one
-    for bad in ([""], [" "], [1], 3):
+    for bad in ([1], 3, [None]):
         with pytest.raises(TypeError, match="bad_words"):
             SamplingParams(bad_words=bad)
+    for blank in ([""], [" "], ["x", "\n"]):
+        with pytest.raises(ValueError, match="no blank words"):
+            SamplingParams(bad_words=blank)
     with pytest.raises(ValueError, match="at most 1024 words"):
         SamplingParams(bad_words=["x"] * 1025)
