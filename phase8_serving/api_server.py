@@ -11,8 +11,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1
 POST /tokenize and POST /detokenize (vLLM's: a prompt's or a chat's token ids, and back),
 GET /version, GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from
 protocol.py's models), GET /dashboard (dashboard.py: the engine, live in a browser; off with
-`enable_dashboard=False`), and SageMaker's GET or POST /ping (/health) and POST /invocations (a
-chat or completions body, told apart by `messages`).
+`enable_dashboard=False`), GET /load (vLLM's, with `enable_server_load_tracking`), and
+SageMaker's GET or POST /ping (/health) and POST /invocations (a chat or completions body, told
+apart by `messages`).
 
 Nothing one client sends stalls the others: a body over `max_request_body_bytes` is a 413 before
 it is read whole (plain ASGI middleware, as is the API key's: neither puts a task between a
@@ -138,6 +139,14 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE)
 
+    if config.enable_server_load_tracking:
+        app.state.server_load = 0
+        app.add_middleware(LoadTrackingMiddleware)
+
+        @app.get("/load")  # vLLM's, for a load balancer: which server is least busy
+        async def server_load() -> dict:
+            return {"server_load": app.state.server_load}
+
     if config.enable_dashboard:
         add_dashboard(app, llm, config.model_name)
     return app
@@ -173,6 +182,27 @@ class BodySizeLimitMiddleware:
             return event
 
         await self.app(scope, limited_receive, send)
+
+
+class LoadTrackingMiddleware:
+    """Plain ASGI: counts the generation requests in progress (`app.state.server_load`, GET
+    /load), each from its arrival until its response, streamed or not, has been sent or its
+    client has gone."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            return await self.app(scope, receive, send)
+        state = scope["app"].state  # Starlette puts the app in every scope
+        state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.server_load -= 1
 
 
 class ApiKeyMiddleware:

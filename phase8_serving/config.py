@@ -315,6 +315,7 @@ class ServerConfig:
     enable_dashboard: bool = True  # GET /dashboard
     model_root: str | None = None  # the checkpoint model_name serves (the model card's root)
     reasoning_parser: str | None = None  # "qwen3", "deepseek_r1": chats' reasoning_content
+    enable_server_load_tracking: bool = False  # GET /load: generation requests in progress
 
     def __post_init__(self):
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):

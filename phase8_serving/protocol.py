@@ -167,6 +167,8 @@ class SamplingRequest(BaseModel):
     add_special_tokens: bool | None = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's: which end truncate_prompt_tokens cuts; "right" keeps the prompt's first k tokens
+    truncation_side: Literal["left", "right"] | None = None
     response_format: ResponseFormat | None = None  # text, json_object or json_schema
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     guided_json: dict[str, Any] | str | None = None  # vLLM's older name for structured_outputs.json
@@ -437,8 +439,11 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # A message's other keys go to the chat template as they are, as vLLM's do: a template may
+    # read them (Qwen3's reads an assistant turn's `reasoning_content`, which a reply carries
+    # under --reasoning-parser), and any role is the template's to render or refuse.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: NonEmptyStr  # system, developer, user, assistant, tool, or one the template knows
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # a tool message's; handed to the template as is
@@ -477,7 +482,8 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         content = self.text() if isinstance(self.content, list) else self.content
-        message = {"role": self.role, "content": content, "name": self.name}
+        message = {**(self.model_extra or {}), "role": self.role, "content": content,
+                   "name": self.name}  # fmt: skip
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
@@ -526,6 +532,9 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):
         choice = self.tool_choice
+        if choice not in (None, "none") and self.tools is None:  # OpenAI's and vLLM's 400
+            asked = repr(choice) if isinstance(choice, str) else "naming a function"
+            raise ValueError(f"tool_choice {asked} is only allowed when tools are specified")
         if choice in ("required",) or isinstance(choice, NamedToolChoice):
             if not self.tools:
                 raise ValueError("tool_choice asks for a call, but there are no tools")

@@ -67,6 +67,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                    help="chats carry a thinking model's <think> text as reasoning_content "
                         "(vLLM's flag)")  # fmt: skip
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load answers the generation requests in progress, for a load "
+                        "balancer (vLLM's flag)")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access log even with --enable-log-requests (vLLM's flag)")  # fmt: skip
     p.add_argument(
@@ -126,6 +129,7 @@ def serve(args: argparse.Namespace) -> None:
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             enable_dashboard=not args.disable_dashboard, model_root=args.model,
             reasoning_parser=args.reasoning_parser,
+            enable_server_load_tracking=args.enable_server_load_tracking,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)

@@ -191,7 +191,10 @@ class OpenAIServing:
                     f"truncate_prompt_tokens ({keep}) exceeds max_model_len "
                     f"({self.config.max_model_len})", "truncate_prompt_tokens",
                 )  # fmt: skip
-            prompts = [p[len(p) - keep :] if len(p) > keep else p for p in prompts]
+            if body.truncation_side == "right":
+                prompts = [p[:keep] for p in prompts]
+            else:
+                prompts = [p[len(p) - keep :] if len(p) > keep else p for p in prompts]
         if not all(prompts):
             raise InvalidRequest("the prompt must contain at least one token", "prompt")
         return prompts

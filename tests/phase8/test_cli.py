@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -265,7 +266,7 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
     command = [sys.executable, "-m", "phase8_serving", "serve", str(tiny_dir), "--port", str(port),
                "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu",
                "--num-kv-blocks", "24", "--enable-prompt-tokens-details",
-               "--reasoning-parser", "qwen3"]  # fmt: skip
+               "--reasoning-parser", "qwen3", "--enable-server-load-tracking"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -288,6 +289,7 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
             .message
         )
         assert len(message.reasoning_content) == 2 and len(message.content) == 2  # so did this
+        assert httpx.get(url + "/load").json() == {"server_load": 0}  # and this
     finally:
         server.terminate()
         server.wait(timeout=30)

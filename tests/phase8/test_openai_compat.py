@@ -18,16 +18,22 @@ Oracles: the tokenizer (which token a forced id is), the same request without th
 A logit bias of +100 forces a token under greedy decoding, so every test here is deterministic.
 """
 
+import asyncio
 import json
 import uuid
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
-from phase8_serving.api_server import build_app
+from phase8_serving.api_server import LoadTrackingMiddleware, build_app
 from phase8_serving.config import ServerConfig
 from phase8_serving.metrics import RequestTiming, build_1_2_5_buckets, finished_request_stats
+from phase8_serving.protocol import ChatCompletionRequest
+from phase8_serving.serving_engine import OpenAIServing
+from phase8_serving.tokenizer import Tokenizer
+from tests import assets
 
 from .conftest import ENGINE, MAX_MODEL_LEN, MODEL_NAME, assert_openai_error
 
@@ -162,6 +168,41 @@ def test_get_one_model(http, client):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-5")
     assert_still_serving(http)
+
+
+def test_load_counts_the_generation_requests_in_progress(live_server, http):
+    """vLLM's GET /load (with --enable-server-load-tracking; a 404 without): a generation
+    request counts from its arrival until its response is sent, streamed or not, or fails."""
+    assert http.get("/load").status_code == 404
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, enable_server_load_tracking=True)
+    app = build_app(live_server.llm, config)
+    with httpx.Client(base_url=live_server.host.serve(app), timeout=30) as tracked:
+        assert tracked.get("/load").json() == {"server_load": 0}
+        for body in ({"stream": False}, {"stream": True}, {"max_tokens": 0}):
+            response = tracked.post("/v1/completions", json={"prompt": "hi", **body})
+            assert response.status_code in (200, 400) and tracked.get("/load").json() == {
+                "server_load": 0}  # fmt: skip
+    # while one is in progress (an app that waits, behind the same middleware)
+    seen, release = [], asyncio.Event()
+
+    async def slow_app(scope, receive, send):
+        seen.append(scope["app"].state.server_load)
+        await release.wait()
+        raise RuntimeError("the response failed")
+
+    async def drive():
+        scope = {"type": "http", "path": "/v1/chat/completions", "app": app}
+        task = asyncio.create_task(LoadTrackingMiddleware(slow_app)(scope, None, None))
+        await asyncio.sleep(0)
+        other = {"type": "http", "path": "/metrics", "app": app}  # not a generation route
+        await LoadTrackingMiddleware(lambda *a: asyncio.sleep(0))(other, None, None)
+        during = app.state.server_load
+        release.set()
+        with pytest.raises(RuntimeError):
+            await task
+        return during
+
+    assert asyncio.run(drive()) == 1 and seen == [1] and app.state.server_load == 0
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -502,6 +543,13 @@ def test_truncate_prompt_tokens_through_the_server(http):
     assert out["usage"]["prompt_tokens"] == 4
     echoed = complete(http, prompt="cut to four", truncate_prompt_tokens=4, echo=True, max_tokens=1)
     assert echoed["choices"][0]["text"].startswith("four")  # the echo is what the model saw
+    ids = list(range(60, 68))  # vLLM's truncation_side: which end is cut
+    for side, kept in (("right", ids[:4]), ("left", ids[-4:]), (None, ids[-4:])):
+        out = complete(http, prompt=ids, truncate_prompt_tokens=4, truncation_side=side,
+                       return_token_ids=True)  # fmt: skip
+        assert out["choices"][0]["prompt_token_ids"] == kept, side
+    assert_openai_error(post(http, "completions", {"truncation_side": "middle"}), 400,
+                        "truncation_side")  # fmt: skip
     assert_openai_error(post(http, "completions", {"truncate_prompt_tokens": -2}), 400,
                         "truncate_prompt_tokens")  # fmt: skip
 
@@ -592,8 +640,7 @@ BAD = {  # endpoint, extra body, the param the error names
     "an unknown field": ("completions", {"guided_whitespace_pattern": " "},
                          "guided_whitespace_pattern"),
     "an unknown chat field": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
-    "an unknown message field": (
-        "chat", {"messages": [{"role": "user", "content": "x", "weight": 2}]}, "messages"),
+    "a message without a role": ("chat", {"messages": [{"content": "x"}]}, "messages"),
     "an image part": ("chat", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages"),
@@ -679,6 +726,31 @@ def test_a_reply_appended_as_the_sdk_dumps_it_goes_on_with_the_chat(client):
     second = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=1,
                                             temperature=0.0)  # fmt: skip
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_a_messages_other_keys_and_any_role_reach_the_template(http):
+    """vLLM hands a message's other keys and any role to the chat template: Qwen3's reads an
+    assistant turn's `reasoning_content` (a reply under --reasoning-parser carries it, so a
+    history that keeps replies as they came sends it back), and a role is the template's to
+    render. The tests' template writes each message's role and content."""
+    tokenizer = Tokenizer.from_dir(assets.qwen3_tokenizer_dir())
+    history = [*MESSAGES, {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"}]
+    body = ChatCompletionRequest(messages=history, add_generation_prompt=False)
+    text = OpenAIServing._render_chat(SimpleNamespace(tokenizer=tokenizer), body)
+    assert text.endswith("<think>\ngreet\n</think>\n\nHello.<|im_end|>\n")
+    custom = [{"role": "critic", "content": "Hi!"}]
+    as_parts = [{"role": "critic", "content": [{"type": "text", "text": "Hi!"}]}]
+    ids = http.post("/tokenize", json={"messages": custom}).json()["tokens"]
+    assert http.post("/tokenize", json={"messages": as_parts}).json()["tokens"] == ids
+    assert (
+        http.post("/detokenize", json={"tokens": ids})
+        .json()["prompt"]
+        .startswith("<|im_start|>critic\nHi!<|im_end|>")
+    )
+    assert chat(http, messages=custom)["usage"]["prompt_tokens"] == len(ids)
+    extra = [{**MESSAGES[0], "extra_field": "0"}]  # vLLM's test: accepted, the template ignores it
+    assert chat(http, messages=extra)["choices"][0]["message"]["content"] == chat(http)[
+        "choices"][0]["message"]["content"]  # fmt: skip
 
 
 # -- request-level metrics -----------------------------------------------------------------

@@ -52,7 +52,7 @@ BAD_BODIES = {
 }  # fmt: skip
 BAD_CHAT_BODIES = {
     "no messages": ({"messages": []}, 400, "messages"),
-    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    "an empty role": ({"messages": [{"role": "", "content": "hi"}]}, 400, None),
     "top_logprobs without logprobs": (
         {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, None),
     "top_logprobs > 20": (

@@ -187,7 +187,8 @@ def test_tool_choice_none_and_a_history_of_calls(http):
 
 
 BAD = {
-    "no tools to call": ({"tools": None, "tool_choice": "required"}, "no tools"),
+    "no tools to call": ({"tools": [], "tool_choice": "required"}, "no tools"),
+    "auto without tools": ({"tools": None, "tool_choice": "auto"}, "only allowed when tools"),
     "an unknown name": ({"tool_choice": {"type": "function", "function": {"name": "x"}}},
                         "not among the tools"),
     "with response_format": ({"tool_choice": NAMED, "response_format": {"type": "json_object"}},
