@@ -77,6 +77,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="mini-vllm", summary="OpenAI-compatible server",
                   default_response_class=FastJSONResponse,
                   lifespan=frozen_startup_heap)  # fmt: skip
+    # behind a proxy's prefix: FastAPI puts it in each request's scope, and the routes serve
+    # /llm/v1/... and /v1/... alike (vLLM sets it so too; uvicorn's would serve only the first)
+    app.root_path = config.root_path
     server = OpenAIServing(llm, config)
     _install_error_handlers(app, config)
 
@@ -152,6 +155,15 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
+def route_path(scope) -> str:
+    """The path the routes see: behind a proxy's prefix (--root-path /llm), /llm/v1/models and
+    /v1/models are both /v1/models, as Starlette routes them."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 class RequestTooLarge(StarletteHTTPException):
     """Raised while reading a body without Content-Length that grew past the limit (an
     HTTPException, so FastAPI's body reader lets it through to the 413 handler)."""
@@ -195,7 +207,7 @@ class LoadTrackingMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+        if scope["type"] != "http" or route_path(scope) not in self.PATHS:
             return await self.app(scope, receive, send)
         state = scope["app"].state  # Starlette puts the app in every scope
         state.server_load += 1
@@ -214,7 +226,7 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and route_path(scope) not in OPEN_PATHS:
             # a browser's EventSource sends no headers: the dashboard takes ?key= or a cookie
             given = dict(scope["headers"]).get(b"authorization") or dashboard_credential(scope)
             given = given or b""

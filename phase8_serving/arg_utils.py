@@ -18,7 +18,7 @@ import enum
 import logging
 import typing
 
-from .config import EngineConfig
+from .config import VLLM_IGNORED, VLLM_UNSUPPORTED, EngineConfig
 
 if typing.TYPE_CHECKING:
     from .engine import LLM
@@ -70,6 +70,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 *flags, type=value_type(hints[f.name]), default=f.default, help=field_help
             )
+    add_vllm_engine_args(parser)
+
+
+VLLM_PREFIX = "vllm_"  # their destinations: engine_kwargs hands them to engine_config by name
+
+
+def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags that mean nothing here (config.py's tables), so that a `vllm serve`
+    command line runs: one that changes nothing whatever its value (`--trust-remote-code`) is
+    accepted; an unsupported one only at the value that asks for nothing, and refused with the
+    reason at any other (the engine's check, `engine_config`). A subcommand's own flag of the
+    same name (serve's `--data-parallel-size`) wins."""
+    ignored = {name: (False, why) for name, why in VLLM_IGNORED.items()}  # both on/off flags
+    for name, (neutral, why) in {**VLLM_UNSUPPORTED, **ignored}.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in parser._option_string_actions:
+            continue
+        meaning = f"vLLM's; changes nothing here: {why}" if name in VLLM_IGNORED else (
+            f"vLLM's; only {neutral!r} is accepted: {why}")  # fmt: skip
+        if isinstance(neutral, bool):
+            parser.add_argument(flag, dest=VLLM_PREFIX + name, action="store_true", help=meaning)
+        else:
+            kind = str if neutral is None else type(neutral)
+            parser.add_argument(flag, dest=VLLM_PREFIX + name, type=kind, default=neutral,
+                                metavar=name.upper(), help=meaning)  # fmt: skip
 
 
 def value_type(hint) -> type:
@@ -82,12 +107,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
+def vllm_kwargs(args: argparse.Namespace) -> dict:
+    """vLLM's flags (above) by their names, for `engine_config` (or `LLM`) to refuse any that
+    asks for something this engine cannot do."""
+    return {dest.removeprefix(VLLM_PREFIX): value for dest, value in vars(args).items()
+            if dest.startswith(VLLM_PREFIX)}  # fmt: skip
+
+
 def load_llm(args: argparse.Namespace) -> LLM:
     from .default_model import MODEL_NAME
     from .engine import LLM
 
     log.info("loading %s", args.model or f"{MODEL_NAME} (its first use converts it, once)")
-    return LLM(args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
+    return LLM(
+        args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args), **vllm_kwargs(args)
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, temperature: float, max_tokens: int) -> None:

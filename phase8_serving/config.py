@@ -255,6 +255,7 @@ VLLM_UNSUPPORTED = {
     "speculative_config": (None, "there is no speculative decoding here"),
     "hf_overrides": (None, "the checkpoint's config.json is read as it is"),
     "compilation_config": (None, "the model runs eagerly or in CUDA graphs, never torch.compile"),
+    "max_logprobs": (20, "a request may ask for the 20 most likely tokens at most"),
 }
 # vLLM arguments that change nothing here whatever their value, and why (any value accepted)
 VLLM_IGNORED = {
@@ -316,6 +317,10 @@ class ServerConfig:
     model_root: str | None = None  # the checkpoint model_name serves (the model card's root)
     reasoning_parser: str | None = None  # "qwen3", "deepseek_r1": chats' reasoning_content
     enable_server_load_tracking: bool = False  # GET /load: generation requests in progress
+    # every stream carries usage, on every chunk, whatever its stream_options (vLLM's flag)
+    enable_force_include_usage: bool = False
+    root_path: str = ""  # the path prefix of a proxy in front: /v1/... is served under it too
+    chat_template: str | None = None  # a template for every chat, instead of the checkpoint's
 
     def __post_init__(self):
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):

@@ -20,13 +20,14 @@ import argparse
 import logging
 import signal
 import typing
+from pathlib import Path
 
-from .arg_utils import DEFAULT_HOST, DEFAULT_PORT, add_engine_args, engine_kwargs
+from .arg_utils import DEFAULT_HOST, DEFAULT_PORT, add_engine_args, engine_kwargs, vllm_kwargs
 from .config import (
     DEFAULT_MAX_CHOICES_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
-    EngineConfig,
     ServerConfig,
+    engine_config,
 )
 
 if typing.TYPE_CHECKING:
@@ -70,6 +71,24 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load answers the generation requests in progress, for a load "
                         "balancer (vLLM's flag)")  # fmt: skip
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed chunk carries usage, whatever the request's "
+                        "stream_options (vLLM's flag)")  # fmt: skip
+    p.add_argument("--root-path", default="",
+                   help="the path prefix of a proxy in front (/llm: /llm/v1/... and /v1/... "
+                        "both served; vLLM's flag)")  # fmt: skip
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template for every chat, a file or the template itself, "
+                        "instead of the checkpoint's (vLLM's flag)")  # fmt: skip
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag; changes nothing here: a chat with tools always has its "
+                        "Hermes-format calls parsed (tool_choice auto)")  # fmt: skip
+    p.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
+                   help="vLLM's flag: the format calls are parsed from; Hermes' <tool_call> "
+                        "blocks (Qwen3's) are the only one here")  # fmt: skip
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (vLLM's flag)")  # fmt: skip
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access log even with --enable-log-requests (vLLM's flag)")  # fmt: skip
     p.add_argument(
@@ -93,7 +112,7 @@ def core_spec(args: argparse.Namespace) -> EngineCoreSpec:
     from .kv_cache_config import model_len
     from .loader import read_model_config, resolve_model_dir
 
-    config = EngineConfig(**engine_kwargs(args))
+    config = engine_config("EngineConfig", {**engine_kwargs(args), **vllm_kwargs(args)}, ())
     model_dir = resolve_model_dir(default_model_dir() if args.model is None else args.model)
     model_len(read_model_config(model_dir), config)  # a --max-model-len past the context fails
     return EngineCoreSpec(str(model_dir), args.dtype, args.device, config)
@@ -112,6 +131,7 @@ def serve(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, exit_on_signal)
     signal.signal(signal.SIGTERM, exit_on_signal)
     args.model = serve_model(args)
+    args.chat_template = read_chat_template(args.chat_template)
     name = args.served_model_name or args.model or MODEL_NAME
     spec = core_spec(args)
     if args.engine_core_address:
@@ -130,6 +150,8 @@ def serve(args: argparse.Namespace) -> None:
             enable_dashboard=not args.disable_dashboard, model_root=args.model,
             reasoning_parser=args.reasoning_parser,
             enable_server_load_tracking=args.enable_server_load_tracking,
+            enable_force_include_usage=args.enable_force_include_usage,
+            root_path=args.root_path, chat_template=args.chat_template,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)
@@ -155,10 +177,33 @@ def uvicorn_config(app, args: argparse.Namespace):
     access_log = args.enable_log_requests and not args.disable_uvicorn_access_log
     # loop/http "auto": uvloop and httptools where installed, asyncio and h11 otherwise
     return uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", access_log=access_log,
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=access_log,
         loop="auto", http="auto",
         timeout_graceful_shutdown=max(args.shutdown_timeout, SHUTDOWN_TICK_S),
     )  # fmt: skip
+
+
+def read_chat_template(given: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (vLLM's rule: text with a brace
+    or a line break is a template; anything else names a file, which must exist), compiled here
+    so a broken one fails at start-up, not at the first chat."""
+    from .tokenizer import compile_chat_template
+
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif any(c in given for c in "{}\n"):
+        template = given
+    else:
+        raise FileNotFoundError(f"--chat-template {given!r}: no such file (nor a template)")
+    try:
+        compile_chat_template(template)
+    except Exception as e:  # jinja2's TemplateSyntaxError, with its line
+        raise ValueError(f"--chat-template does not compile: {e}") from None
+    return template
 
 
 def exit_on_signal(signum: int, frame) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import time
@@ -102,6 +103,9 @@ class OpenAIServing:
         self.llm = llm
         self.config = config
         self.tokenizer = llm.tokenizer
+        if config.chat_template is not None:  # --chat-template: the front end renders chats
+            self.tokenizer = copy.copy(llm.tokenizer)
+            self.tokenizer.chat_template = config.chat_template
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
@@ -295,10 +299,13 @@ class OpenAIServing:
         """The SSE body: one write per engine step with every choice's news of that step;
         first, a chat's role, one chunk per choice."""
         chunk = chat_chunk if chat else completion_chunk
-        extra = {"usage": None} if body.include_usage else {}  # OpenAI's shape with usage on
+        forced = self.config.enable_force_include_usage  # then every chunk, as vLLM's flag does
+        include_usage = body.include_usage or forced
+        continuous_usage = body.continuous_usage or forced
+        extra = {"usage": None} if include_usage else {}  # OpenAI's shape with usage on
 
         def usage_so_far(choice: ChoiceStream) -> dict:  # `continuous_usage_stats`
-            if not body.continuous_usage:
+            if not continuous_usage:
                 return extra
             p = choice.index // body.n
             return {"usage": usage([prompts[p]], [choice], self._cached_tokens(stream, body, [p]))}
@@ -322,7 +329,7 @@ class OpenAIServing:
                         events.append(_sse({**rendered, **usage_so_far(choice)}))
                 if events:
                     yield b"".join(events)
-            if body.include_usage:
+            if include_usage:
                 cached = self._cached_tokens(stream, body, range(len(prompts)))
                 tail.append(_sse(usage_chunk(meta, usage(prompts, choices, cached), chat)))
         except (EngineStepError, EngineDeadError) as e:  # vLLM's words, then what happened

@@ -208,6 +208,11 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template as `apply_chat_template` renders it; a syntax error raises here."""
+    return _compile_template(source)
+
+
 def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Jinja's own tojson escapes HTML (<, >, &), which would change the prompt.
     return json.dumps(

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from phase8_serving import LLM, SamplingParams, cli, serve
-from phase8_serving.arg_utils import engine_kwargs
+from phase8_serving.arg_utils import engine_kwargs, vllm_kwargs
 from phase8_serving.bench import LATENCY_DEFAULTS, THROUGHPUT_DEFAULTS, fill_device_defaults
 from phase8_serving.cli import build_parser, chat, main
 from phase8_serving.config import EngineConfig, PreemptionMode
@@ -22,6 +22,7 @@ from phase8_serving.engine_core import core_info
 from .conftest import wait_for_health
 
 SERVE_STARTUP_S = 120  # import + load on a busy 2-core machine
+TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
 
 
 def test_every_engine_config_field_is_a_flag():
@@ -79,6 +80,41 @@ def test_the_serve_flags_take_the_server_settings_defaults_without_the_server():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_vllm_command_line_runs_and_what_it_cannot_have_is_refused(tiny_dir, tmp_path):
+    """vLLM's engine flags that mean nothing here are accepted at the value that asks for
+    nothing (`--trust-remote-code` at any), and refused with the reason at any other, before
+    anything loads; the server's (`--enable-auto-tool-choice`, `--tool-call-parser hermes`) are
+    accepted too (reaching the server: the serve test below)."""
+    parse = build_parser().parse_args
+    args = parse(["serve", "m", "--trust-remote-code", "--disable-log-stats", "--swap-space", "0",
+                  "--quantization", "fp8", "--enable-auto-tool-choice",
+                  "--tool-call-parser", "hermes"])  # fmt: skip
+    assert vllm_kwargs(args)["trust_remote_code"] and vllm_kwargs(args)["swap_space"] == 0
+    with pytest.raises(ValueError, match="quantization='fp8' is not supported here"):
+        serve.core_spec(args)
+    neutral = parse(["serve", str(tiny_dir), "--trust-remote-code", "--max-logprobs", "20"])
+    assert serve.core_spec(neutral).config == EngineConfig(**engine_kwargs(neutral))
+    for refused in (["--swap-space", "4"], ["--max-logprobs", "100"], ["--enable-lora"]):
+        with pytest.raises(SystemExit, match="not supported here"):
+            main(["serve", str(tiny_dir), *refused])
+        with pytest.raises(SystemExit, match="not supported here"):  # offline: LLM's own check
+            main(["generate", "hi", "--model", str(tiny_dir), *refused])
+    assert parse(["generate", "hi", "--data-parallel-size", "1"])  # serve's own flag elsewhere
+    with pytest.raises(SystemExit):  # argparse names the one parser there is
+        parse(["serve", "--tool-call-parser", "mistral"])
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    assert serve.read_chat_template(str(tmp_path / "t.jinja")) == TEMPLATE
+    assert serve.read_chat_template(TEMPLATE) == TEMPLATE
+    assert serve.read_chat_template(None) is None
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        serve.read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        serve.read_chat_template("{% for m in messages %}")
 
 
 def test_bad_gpu_memory_utilization_is_a_one_line_error(tiny_dir):
@@ -266,7 +302,9 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
     command = [sys.executable, "-m", "phase8_serving", "serve", str(tiny_dir), "--port", str(port),
                "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu",
                "--num-kv-blocks", "24", "--enable-prompt-tokens-details",
-               "--reasoning-parser", "qwen3", "--enable-server-load-tracking"]  # fmt: skip
+               "--reasoning-parser", "qwen3", "--enable-server-load-tracking",
+               "--enable-force-include-usage", "--root-path", "/llm", "--chat-template",
+               TEMPLATE, "--trust-remote-code", "--enable-auto-tool-choice"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -276,7 +314,9 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
         )
-        assert [c.choices[0].finish_reason for c in stream][-1] in ("stop", "length")
+        chunks = list(stream)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+        assert all(c.usage for c in chunks) and not chunks[-1].choices  # usage forced
         assert client.models.retrieve("tiny").root == str(tiny_dir)  # the name's checkpoint
         usage = client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage
         assert usage.prompt_tokens_details.cached_tokens == 0  # the flag reached the server
@@ -290,6 +330,11 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
         )
         assert len(message.reasoning_content) == 2 and len(message.content) == 2  # so did this
         assert httpx.get(url + "/load").json() == {"server_load": 0}  # and this
+        for prefix in ("", "/llm"):  # --root-path: behind a proxy's prefix, and without it
+            assert httpx.get(f"{url}{prefix}/v1/models").json()["data"][0]["id"] == "tiny"
+        ids = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+        text = httpx.post(url + "/detokenize", json={"tokens": ids.json()["tokens"]}).json()
+        assert text["prompt"] == "[user]Hi"  # --chat-template
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -128,6 +128,15 @@ def test_api_key(live_server):
         assert_openai_error(httpx.post(url + route, json={"tokens": [1]}), 401, None)
     client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
     assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
+    # behind a proxy's prefix (--root-path): the same routes, open or not
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, api_key="sekret", root_path="/llm")
+    url = live_server.host.serve(build_app(live_server.llm, config))
+    for prefix in ("", "/llm"):
+        assert httpx.get(f"{url}{prefix}/health").status_code == 200
+        assert_openai_error(httpx.post(f"{url}{prefix}/v1/completions", json=body), 401, None)
+        client = openai.OpenAI(base_url=f"{url}{prefix}/v1", api_key="sekret", max_retries=0)
+        assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
+    assert httpx.get(f"{url}/llmx/health").status_code == 401  # not the prefix: a path it guards
 
 
 async def _stream_one(client: httpx.AsyncClient, i: int) -> tuple[str, str | None, bool]:
