@@ -50,9 +50,15 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = False) -> None:
+    """`engine_seed`: a `--seed` for the engine's random state (vLLM's; serve, engine-core),
+    where the offline commands' `--seed` seeds each request instead."""
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--device", default=None, help="cuda if available, else cpu")
+    if engine_seed:
+        parser.add_argument("--seed", type=int, default=None,
+                            help="seeds the engine's random state, which requests without a "
+                                 "seed of their own draw from (vLLM's flag)")  # fmt: skip
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]

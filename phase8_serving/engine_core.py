@@ -73,7 +73,7 @@ LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # `mini-vllm`'s, in every pr
 def build_llm(spec: "EngineCoreSpec") -> LLM:
     """The engine a core runs, with its tensor-parallel workers if any (children of the core)."""
     kwargs = {f.name: getattr(spec.config, f.name) for f in fields(EngineConfig)}
-    return LLM(spec.model, dtype=spec.dtype, device=spec.device, **kwargs)
+    return LLM(spec.model, dtype=spec.dtype, device=spec.device, seed=spec.seed, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,7 @@ class EngineCoreSpec:
     snapshot_interval_s: float = SNAPSHOT_INTERVAL_S  # the least time between two snapshots
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of this core (data parallelism)
     num_threads: int | None = None  # torch's CPU threads; None: torch's default
+    seed: int | None = None  # torch's, once built: unseeded requests draw from it (`LLM(seed=)`)
 
     def __post_init__(self):
         if not self.snapshot_interval_s > 0:

@@ -94,7 +94,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument(
         "--disable-dashboard", action="store_true", help="do not serve the /dashboard page"
     )
-    add_engine_args(p)
+    add_engine_args(p, engine_seed=True)
     p.set_defaults(handler=serve)
 
 
@@ -111,11 +111,14 @@ def core_spec(args: argparse.Namespace) -> EngineCoreSpec:
     from .engine_core import EngineCoreSpec
     from .kv_cache_config import model_len
     from .loader import read_model_config, resolve_model_dir
+    from .sampling_params import SEED_LIMIT
 
     config = engine_config("EngineConfig", {**engine_kwargs(args), **vllm_kwargs(args)}, ())
+    if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
     model_dir = resolve_model_dir(default_model_dir() if args.model is None else args.model)
     model_len(read_model_config(model_dir), config)  # a --max-model-len past the context fails
-    return EngineCoreSpec(str(model_dir), args.dtype, args.device, config)
+    return EngineCoreSpec(str(model_dir), args.dtype, args.device, config, seed=args.seed)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -234,7 +237,7 @@ def add_engine_core_parser(subparsers) -> None:
     )
     p.add_argument("--address", required=True,
                    help="where to listen: tcp://HOST:PORT (or ipc://PATH)")  # fmt: skip
-    add_engine_args(p)
+    add_engine_args(p, engine_seed=True)
     p.set_defaults(handler=engine_core)
 
 

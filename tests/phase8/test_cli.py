@@ -11,13 +11,14 @@ import sys
 import httpx
 import openai
 import pytest
+import torch
 
 from phase8_serving import LLM, SamplingParams, cli, serve
 from phase8_serving.arg_utils import engine_kwargs, vllm_kwargs
 from phase8_serving.bench import LATENCY_DEFAULTS, THROUGHPUT_DEFAULTS, fill_device_defaults
 from phase8_serving.cli import build_parser, chat, main
 from phase8_serving.config import EngineConfig, PreemptionMode
-from phase8_serving.engine_core import core_info
+from phase8_serving.engine_core import build_llm, core_info
 
 from .conftest import wait_for_health
 
@@ -104,6 +105,27 @@ def test_a_vllm_command_line_runs_and_what_it_cannot_have_is_refused(tiny_dir, t
     assert parse(["generate", "hi", "--data-parallel-size", "1"])  # serve's own flag elsewhere
     with pytest.raises(SystemExit):  # argparse names the one parser there is
         parse(["serve", "--tool-call-parser", "mistral"])
+
+
+def test_serve_seed_seeds_each_engine_core(tiny_dir):
+    """vLLM's `--seed` on serve and engine-core: the engine's random state, which unseeded
+    requests draw from (the offline commands' --seed seeds each request)."""
+    parse = build_parser().parse_args
+    spec = serve.core_spec(parse(["serve", str(tiny_dir), "--seed", "7", "--device", "cpu",
+                                  "--dtype", "float32"]))  # fmt: skip
+    assert (
+        spec.seed == 7
+        and serve.core_spec(
+            parse(["engine-core", str(tiny_dir), "--address", "tcp://x:1", "--seed", "7"])
+        ).seed
+        == 7
+    )
+    torch.manual_seed(0)
+    build_llm(spec)
+    assert torch.initial_seed() == 7
+    with pytest.raises(ValueError, match="--seed must be in"):
+        serve.core_spec(parse(["serve", str(tiny_dir), "--seed", "-1"]))
+    assert parse(["generate", "hi", "--seed", "3"]).seed == 3  # a request's seed there
 
 
 def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
