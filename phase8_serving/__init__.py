@@ -21,6 +21,7 @@ import typing
 # public name -> the module of this package that defines it
 _EXPORTS = {
     "LLM": "engine",
+    "BeamSearchParams": "beam_search",
     "BlockManager": "block_manager",
     "CheckpointError": "loader",
     "CompletionOutput": "engine",

@@ -73,6 +73,7 @@ values, but not the DeltaNet state after them, which only a full recompute rebui
 
 import atexit
 import enum
+import functools
 import itertools
 import logging
 import os
@@ -83,6 +84,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .block_manager import BlockManager
 from .config import EngineConfig, engine_config
 from .core_messages import EngineCoreOutput
@@ -295,27 +297,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             check_byte_level(self.tokenizer)
         prompt_ids = self._tokenize(prompt)
-        max_len = len(prompt_ids) + params.max_tokens
-        if self.config.max_model_len is not None and max_len > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.config.max_model_len})"
-            )
-        if max_len > self.model.config.max_position_embeddings:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context ({self.model.config.max_position_embeddings})"
-            )
-        if max_len > self.kv_cache_config.num_tokens:
-            raise ValueError(
-                f"prompt + max_tokens ({max_len}) can never fit in the KV cache "
-                f"({self.kv_cache_config.num_tokens} slots)"
-            )
-        if not self.config.enable_chunked_prefill and max_len > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"without chunked prefill, prompt + max_tokens ({max_len}) must fit in one step's "
-                f"token budget (max_num_batched_tokens={self.config.max_num_batched_tokens})"
-            )
+        self.check_length(prompt_ids, params.max_tokens)
         seq_id = next(self._seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
@@ -330,6 +312,30 @@ class LLMEngine:
             self.runner.scoring.add(seq_id)
         self.scheduler.add(seq)
         return request_id
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """A request of this prompt and max_tokens fits the context, the cache and a step."""
+        max_len = len(prompt_ids) + max_tokens
+        if self.config.max_model_len is not None and max_len > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        if max_len > self.model.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"the model's context ({self.model.config.max_position_embeddings})"
+            )
+        if max_len > self.kv_cache_config.num_tokens:
+            raise ValueError(
+                f"prompt + max_tokens ({max_len}) can never fit in the KV cache "
+                f"({self.kv_cache_config.num_tokens} slots)"
+            )
+        if not self.config.enable_chunked_prefill and max_len > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill, prompt + max_tokens ({max_len}) must fit in one step's "
+                f"token budget (max_num_batched_tokens={self.config.max_num_batched_tokens})"
+            )
 
     def _encode_word(self, word: str) -> list[int]:
         return self.tokenizer.encode(word, add_special_tokens=False)
@@ -604,6 +610,34 @@ class LLM:
                 self.abort_request(i)
             raise
         return [done[i] for i in ids]
+
+    def beam_search(
+        self, prompts: Prompt | list[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """vLLM's: each prompt's `params.beam_width` likeliest continuations, best first
+        (beam_search.py). Every step is one `generate` of a token for each beam of each prompt;
+        the beams' earlier tokens are prefix cache hits."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompts, _ = check_batch(prompts, None)
+        engine = self.engine
+        searches = []
+        for prompt in prompts:
+            prompt_ids = engine._tokenize(prompt)
+            engine.check_length(prompt_ids, params.max_tokens)  # before a step, not at the last
+            searches.append(BeamSearch(prompt_ids, params, engine.tokenizer.eos_token_ids))
+        step = params.step_params()
+        for _ in tqdm(range(params.max_tokens), disable=not use_tqdm, desc="beam search"):
+            running = [s for s in searches if not s.done]
+            if not running:
+                break
+            beams = [beam.tokens for s in running for beam in s.beams]
+            outs = iter(self.generate(beams, step, use_tqdm=False))
+            for search in running:
+                search.advance([next(outs).outputs[0].logprobs[0].top_logprobs
+                                for _ in search.beams])  # fmt: skip
+        decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=True)
+        return [search.result(decode) for search in searches]
 
     # -- one step at a time (vLLM v1's LLMEngine: the engine core + the output processor) ----
 

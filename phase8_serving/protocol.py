@@ -25,6 +25,7 @@ values (`function_call: "none"`, `best_of: n`, ...), else a 400 saying so.
 """
 
 import abc
+import math
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -38,6 +39,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .beam_search import MAX_BEAM_WIDTH
 from .sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
@@ -58,6 +60,16 @@ MAX_STOP_STRINGS = 64
 # seed + i, wrapped into the engine's [0, 2**64) (torch's seed range)
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
+# what beam search has no part for (beam_search.py): asking for it with use_beam_search is a 400;
+# NEUTRAL: the values of these fields that ask for nothing, besides their defaults
+BEAM_SEARCH_EXCLUDES = (
+    "stream", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "stop", "stop_token_ids",
+    "include_stop_str_in_output", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "top_p", "top_k", "min_p",
+    "seed", "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar",
+)  # fmt: skip
+NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+           "top_p": (1,), "top_k": (-1, 0), "min_p": (0,)}  # fmt: skip
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 StopList = Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)]
@@ -181,6 +193,9 @@ class SamplingRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as by vLLM
+    # vLLM's: the n likeliest continuations by beam search (beam_search.py), not n samples
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's score: logprob sum / length ** length_penalty
 
     @field_validator("bad_words")
     @classmethod
@@ -190,6 +205,29 @@ class SamplingRequest(BaseModel):
             if not word.strip():
                 raise PydanticCustomError("blank", f"word {i} is blank ({word!r})")
         return value
+
+    @model_validator(mode="after")
+    def _beam_search_alone(self):
+        """Beam search scores the model's log-probabilities and nothing else: a setting that
+        would shape its tokens, or a stream of a result known only at the end, is a 400."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty applies only with use_beam_search")
+            return self
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.n > MAX_BEAM_WIDTH:
+            raise ValueError(f"use_beam_search keeps n beams, at most {MAX_BEAM_WIDTH}: n={self.n}")
+        fields = type(self).model_fields
+        asked = [name for name in BEAM_SEARCH_EXCLUDES if name in fields and getattr(self, name)
+                 not in (fields[name].default, *NEUTRAL.get(name, ()))]  # fmt: skip
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append("response_format")
+        if getattr(self, "tool_mode", "none") != "none":
+            asked.append("tools")
+        if asked:
+            raise ValueError(f"use_beam_search cannot be combined with {', '.join(asked)}")
+        return self
 
     @model_validator(mode="after")
     def _one_structured_output(self):

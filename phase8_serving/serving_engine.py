@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
+import itertools
 import json
 import logging
 import time
@@ -38,6 +40,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .async_engine import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
+from .beam_search import BeamSearch, BeamSearchParams
 from .config import ServerConfig
 from .protocol import (
     ChatCompletionRequest,
@@ -59,6 +62,7 @@ from .responses import (
     usage,
     usage_chunk,
 )
+from .streaming import OutputDelta
 from .tool_calls import ToolCallStream
 
 logger = logging.getLogger(__name__)
@@ -136,7 +140,6 @@ class OpenAIServing:
             echoed = [final.text() if final.role == "assistant" else ""]
         else:
             echoed = await self._echoed(body, prompts)
-        stream = await self._open(request_id, body, prompts)  # closed however this ends
         if self.config.enable_log_requests:
             logger.info("%s: %d prompt tokens, %d choices, stream=%s", request_id,
                         sum(map(len, prompts)), num_choices, bool(body.stream))  # fmt: skip
@@ -156,6 +159,9 @@ class OpenAIServing:
             if chat and self.config.reasoning_parser is not None:
                 choices[-1].reasoning = ReasoningStream(self.config.reasoning_parser)
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
+        if body.use_beam_search:
+            return await self._beam_search(request_id, body, prompts, choices, meta, request)
+        stream = await self._open(request_id, body, prompts)  # closed however this ends
         if body.stream:
             events = self._events(stream, choices, meta, body, prompts, chat)
             return EngineStreamingResponse(events, stream, request_id)
@@ -174,6 +180,60 @@ class OpenAIServing:
         build = chat_response if chat else completion_response
         cached = self._cached_tokens(stream, body, range(len(prompts)))
         return FastJSONResponse(build(meta, choices, usage(prompts, choices, cached)))
+
+    async def _beam_search(
+        self, request_id: str, body: SamplingRequest, prompts: list[list[int]],
+        choices: list[ChoiceStream], meta: dict, request: Request,
+    ) -> Response:  # fmt: skip
+        """`use_beam_search`: each prompt's n likeliest continuations, best first (choice i of
+        prompt p is its i-th beam), answered as any response is; never streamed, since which
+        beams are best is known only at the end."""
+        searches = []
+        for prompt in prompts:
+            max_tokens = body.sampling_params(len(prompt), self.config.max_model_len, 0).max_tokens
+            params = BeamSearchParams(body.n, max_tokens, body.ignore_eos, body.length_penalty)
+            searches.append(BeamSearch(prompt, params, self.tokenizer.eos_token_ids))
+        try:
+            client_left = await _unless_disconnected(request, self._search(request_id, searches))
+        except (EngineStepError, EngineDeadError) as e:
+            return error_response(500, f"Internal server error: {e}")
+        if client_left:
+            logger.info("%s: the client disconnected; its requests were aborted", request_id)
+            return Response(status_code=499)
+        decode = functools.partial(self.tokenizer.decode,
+                                   skip_special_tokens=body.skip_special_tokens)  # fmt: skip
+        for p, search in enumerate(searches):
+            for i, beam in enumerate(search.result(decode).sequences):
+                delta = OutputDelta(beam.text, beam.output_token_ids, None, beam.finish_reason)
+                choices[p * body.n + i].add(delta)
+        for choice in choices:
+            if choice.splits:
+                choice.end_chat()
+        build = chat_response if isinstance(body, ChatCompletionRequest) else completion_response
+        return FastJSONResponse(build(meta, choices, usage(prompts, choices)))
+
+    async def _search(self, request_id: str, searches: list[BeamSearch]) -> None:
+        """Beam search's steps: every running beam of every prompt a one-token request, all in
+        one batch, then each search keeps its best."""
+        step = searches[0].params.step_params()
+        for number in itertools.count():
+            running = [s for s in searches if not s.done]
+            if not running:
+                return
+            beams = [beam.tokens for s in running for beam in s.beams]
+            stream = await self.llm.add_requests(f"{request_id}-{number}", beams,
+                                                 [step] * len(beams))  # fmt: skip
+            candidates: dict[int, tuple] = {}
+            try:
+                async for deltas in stream:
+                    for index, delta in deltas.items():
+                        if delta.logprobs:
+                            candidates[index] = delta.logprobs[0].top_logprobs
+            finally:
+                stream.close()  # a cancelled search (the client left) aborts its requests
+            ordered = iter(candidates[i] for i in range(len(beams)))
+            for search in running:
+                search.advance([next(ordered) for _ in search.beams])
 
     def _prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
         """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input
