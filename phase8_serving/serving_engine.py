@@ -39,7 +39,13 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .async_engine import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
+from .async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineStepError,
+    RequestStream,
+    check_prompt,
+)
 from .beam_search import BeamSearch, BeamSearchParams
 from .config import ServerConfig
 from .protocol import (
@@ -192,6 +198,11 @@ class OpenAIServing:
         for prompt in prompts:
             max_tokens = body.sampling_params(len(prompt), self.config.max_model_len, 0).max_tokens
             params = BeamSearchParams(body.n, max_tokens, body.ignore_eos, body.length_penalty)
+            try:  # the engine's checks at the longest a beam gets, before a step is sent
+                check_prompt(self.llm.info, prompt, replace(params.step_params(),
+                                                            max_tokens=max_tokens))  # fmt: skip
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from e
             searches.append(BeamSearch(prompt, params, self.tokenizer.eos_token_ids))
         try:
             client_left = await _unless_disconnected(request, self._search(request_id, searches))

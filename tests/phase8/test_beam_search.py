@@ -161,7 +161,8 @@ def test_use_beam_search_returns_each_prompts_n_best_beams(http, live_server, ti
     [({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"),
      ({"seed": 1, "top_p": 0.5}, "top_p, seed"), ({"n": MAX_BEAM_WIDTH + 1}, "at most"),
      ({"use_beam_search": False, "length_penalty": 2.0}, "only with use_beam_search"),
-     ({"max_tokens": MAX_MODEL_LEN}, "maximum context length")],
+     ({"max_tokens": MAX_MODEL_LEN}, "maximum context length"),
+     ({"prompt": [10**6]}, "out of vocabulary")],
 )  # fmt: skip
 def test_beam_search_refuses_what_it_has_no_part_for(http, extra, words):
     body = {"prompt": "hi", "max_tokens": 3, "use_beam_search": True, **extra}
