@@ -21,13 +21,15 @@ temperature, like the other sampling settings, has no part in them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam asks for its 2k most likely next tokens
+# |length_penalty| at most this: length ** penalty stays a float at any context (40,960 ** 10 is
+# 1e46; transformers' usual values are 0.6 to 2)
+MAX_ABS_LENGTH_PENALTY = 10
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,11 @@ class BeamSearchParams:
         penalty = self.length_penalty
         if isinstance(penalty, bool) or not isinstance(penalty, int | float):
             raise TypeError(f"BeamSearchParams.length_penalty must be a number, got {penalty!r}")
-        if not math.isfinite(penalty):
-            raise ValueError(f"BeamSearchParams.length_penalty must be finite, got {penalty}")
+        if not abs(penalty) <= MAX_ABS_LENGTH_PENALTY:  # NaN too
+            raise ValueError(
+                f"BeamSearchParams.length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY}, "
+                f"{MAX_ABS_LENGTH_PENALTY}], got {penalty}"
+            )
 
     def step_params(self) -> SamplingParams:
         """One step of one beam: a token, and the 2k likeliest with their logprobs (which

@@ -25,7 +25,6 @@ values (`function_call: "none"`, `best_of: n`, ...), else a 400 saying so.
 """
 
 import abc
-import math
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -39,7 +38,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from .beam_search import MAX_BEAM_WIDTH
+from .beam_search import MAX_ABS_LENGTH_PENALTY, MAX_BEAM_WIDTH
 from .sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_ABS_PENALTY,
@@ -195,7 +194,8 @@ class SamplingRequest(BaseModel):
     user: str | None = None  # accepted and ignored, as by vLLM
     # vLLM's: the n likeliest continuations by beam search (beam_search.py), not n samples
     use_beam_search: bool = False
-    length_penalty: float = 1.0  # beam search's score: logprob sum / length ** length_penalty
+    # beam search's score: logprob sum / length ** length_penalty
+    length_penalty: float = Field(1.0, ge=-MAX_ABS_LENGTH_PENALTY, le=MAX_ABS_LENGTH_PENALTY)
 
     @field_validator("bad_words")
     @classmethod
@@ -214,8 +214,6 @@ class SamplingRequest(BaseModel):
             if self.length_penalty != 1.0:
                 raise ValueError("length_penalty applies only with use_beam_search")
             return self
-        if not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
         if self.n > MAX_BEAM_WIDTH:
             raise ValueError(f"use_beam_search keeps n beams, at most {MAX_BEAM_WIDTH}: n={self.n}")
         fields = type(self).model_fields

@@ -57,17 +57,18 @@ def test_eos_sets_a_beam_aside_and_the_length_penalty_weighs_lengths():
     assert stopped and all(b.tokens[-1] == EOS for b in stopped)
     scores = [b.cum_logprob for b in beams]
     assert scores == sorted(scores, reverse=True)
-    long_first = search(BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=50.0), table)
+    long_first = search(BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=10.0), table)
     assert len(long_first[0].tokens) == 4  # prompt + 3: the longest wins under a high penalty
     ignored = search(BeamSearchParams(beam_width=3, max_tokens=3, ignore_eos=True), table)
     assert all(b.finish_reason == "length" and len(b.output_token_ids) == 3 for b in ignored)
 
 
 def test_beam_search_params_are_checked():
-    for bad, error in (({"beam_width": 0}, ValueError), ({"beam_width": MAX_BEAM_WIDTH + 1},
-                       ValueError), ({"beam_width": 2.0}, TypeError), ({"max_tokens": 0},
-                       ValueError), ({"length_penalty": math.nan}, ValueError),
-                       ({"ignore_eos": 1}, TypeError)):  # fmt: skip
+    cases = [({"beam_width": 0}, ValueError), ({"beam_width": MAX_BEAM_WIDTH + 1}, ValueError),
+             ({"beam_width": 2.0}, TypeError), ({"max_tokens": 0}, ValueError),
+             ({"length_penalty": math.nan}, ValueError), ({"length_penalty": 11}, ValueError),
+             ({"ignore_eos": 1}, TypeError)]  # fmt: skip
+    for bad, error in cases:
         with pytest.raises(error):
             BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})
 
@@ -162,7 +163,7 @@ def test_use_beam_search_returns_each_prompts_n_best_beams(http, live_server, ti
      ({"seed": 1, "top_p": 0.5}, "top_p, seed"), ({"n": MAX_BEAM_WIDTH + 1}, "at most"),
      ({"use_beam_search": False, "length_penalty": 2.0}, "only with use_beam_search"),
      ({"max_tokens": MAX_MODEL_LEN}, "maximum context length"),
-     ({"prompt": [10**6]}, "out of vocabulary")],
+     ({"prompt": [10**6]}, "out of vocabulary"), ({"length_penalty": 1e308}, "length_penalty")],
 )  # fmt: skip
 def test_beam_search_refuses_what_it_has_no_part_for(http, extra, words):
     body = {"prompt": "hi", "max_tokens": 3, "use_beam_search": True, **extra}
