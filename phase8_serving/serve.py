@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import typing
 from pathlib import Path
@@ -46,7 +47,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--model", default=None, help="HF directory or hub id (default: SmolLM2)")
     p.add_argument("--host", default=DEFAULT_HOST, help="the address to listen on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the port to listen on")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' (default: $VLLM_API_KEY, "
+                        "if set)")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the name clients use as model")
     p.add_argument("--shutdown-timeout", type=seconds, default=0.0,
                    help="seconds in-flight requests may run after SIGTERM before they are "
@@ -134,6 +137,7 @@ def serve(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, exit_on_signal)
     signal.signal(signal.SIGTERM, exit_on_signal)
     args.model = serve_model(args)
+    args.api_key = api_key(args.api_key)
     args.chat_template = read_chat_template(args.chat_template)
     name = args.served_model_name or args.model or MODEL_NAME
     spec = core_spec(args)
@@ -185,6 +189,12 @@ def uvicorn_config(app, args: argparse.Namespace):
         loop="auto", http="auto",
         timeout_graceful_shutdown=max(args.shutdown_timeout, SHUTDOWN_TICK_S),
     )  # fmt: skip
+
+
+def api_key(flag: str | None) -> str | None:
+    """--api-key, or else $VLLM_API_KEY (vLLM's rule: a key in the environment stays out of
+    `ps`); None: no key asked."""
+    return flag or os.environ.get("VLLM_API_KEY") or None
 
 
 def read_chat_template(given: str | None) -> str | None:

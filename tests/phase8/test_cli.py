@@ -128,6 +128,15 @@ def test_serve_seed_seeds_each_engine_core(tiny_dir):
     assert parse(["generate", "hi", "--seed", "3"]).seed == 3  # a request's seed there
 
 
+def test_the_api_key_comes_from_the_flag_or_vllms_environment_variable(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert serve.api_key(None) is None and serve.api_key("k") == "k"
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert serve.api_key(None) == "from-env" and serve.api_key("k") == "k"
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert serve.api_key(None) is None  # set but empty: no key, not the empty key
+
+
 def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
     (tmp_path / "t.jinja").write_text(TEMPLATE)
     assert serve.read_chat_template(str(tmp_path / "t.jinja")) == TEMPLATE
