@@ -72,6 +72,7 @@ values, but not the DeltaNet state after them, which only a full recompute rebui
 """
 
 import atexit
+import copy
 import enum
 import functools
 import itertools
@@ -564,19 +565,31 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Replies to one conversation or a list of them, rendered with the chat template.
         `tools` (vLLM's): OpenAI-style tool definitions the template renders; the reply's
-        calls are its text (the server parses them: tool_calls.py)."""
+        calls are its text (the server parses them: tool_calls.py). `chat_template` (vLLM's):
+        a Jinja template instead of the checkpoint's. `continue_final_message` (vLLM's, with
+        add_generation_prompt=False): the reply goes on with the final message."""
         conversations = check_conversations(messages)
         check_optional("chat_template_kwargs", chat_template_kwargs, dict)
         check_optional("tools", tools, list)
+        check_optional("chat_template", chat_template, str)
         tokenizer = self.engine.tokenizer
+        if chat_template is not None:
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = chat_template
         prompts = [
             tokenizer.encode(
                 tokenizer.apply_chat_template(
-                    c, add_generation_prompt, tools=tools, **(chat_template_kwargs or {})
-                ),
+                    c,
+                    add_generation_prompt,
+                    tools=tools,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}),
+                ),  # fmt: skip
                 add_special_tokens=False,  # the rendered template already holds them
             )
             for c in conversations

@@ -121,3 +121,26 @@ def test_seed_makes_unseeded_sampling_reproducible(tiny_dir):
         return llm.generate([[72, 105]], params, use_tqdm=False)[0].outputs[0].token_ids
 
     assert sample(seed=3) == sample(seed=3) != sample(seed=4)
+
+
+def test_chat_takes_vllms_chat_template_and_continue_final_message(tiny_dir):
+    """`LLM.chat(..., chat_template=, continue_final_message=)`, vLLM's: a template of one's
+    own instead of the checkpoint's, and a reply that goes on with the final message (its turn
+    left open)."""
+    llm = LLM(tiny_dir, **CPU)
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    decode = llm.get_tokenizer().decode
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    (out,) = llm.chat([{"role": "user", "content": "Hi"}], greedy, use_tqdm=False,
+                      chat_template=template)  # fmt: skip
+    assert decode(out.prompt_token_ids) == "[user]Hi"
+    begun = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer"}]
+    (out,) = llm.chat(begun, greedy, use_tqdm=False, add_generation_prompt=False,
+                      continue_final_message=True)  # fmt: skip
+    assert decode(out.prompt_token_ids).endswith("<|im_start|>assistant\nThe answer")
+    (closed,) = llm.chat(begun, greedy, use_tqdm=False, add_generation_prompt=False)
+    assert decode(closed.prompt_token_ids).endswith("The answer<|im_end|>\n")
+    with pytest.raises(TypeError, match="chat_template"):
+        llm.chat(begun, greedy, chat_template=3)
+    with pytest.raises(ValueError, match="exclude each other"):
+        llm.chat(begun, greedy, continue_final_message=True)
