@@ -9,7 +9,8 @@ prefix cache already holds), scores the k x 2k extensions by their summed log-pr
 keeps the best k; an extension that ends in EOS is set aside, complete. At the end the best k of
 the complete and the running ones, by cumulative logprob / length ** length_penalty
 (transformers' rule, as vLLM applies it: the length counts the prompt, not a final EOS).
-2k candidates a beam are enough: at most k of them can end in EOS, so k go on.
+Why 2k a beam (vLLM's choice): of the k x 2k candidates, those that end in EOS leave, and at
+least k others remain unless EOS tokens crowd more than half of every beam's list.
 
 Analogy: a hiking party at every fork sends scouts a little way down each path and keeps
 following only the k most promising trails.
