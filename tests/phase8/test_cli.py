@@ -360,7 +360,7 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
             .message
         )
         assert len(message.reasoning_content) == 2 and len(message.content) == 2  # so did this
-        assert httpx.get(url + "/load").json() == {"server_load": 0}  # and this
+        assert set(httpx.get(url + "/load").json()) == {"server_load"}  # and this
         for prefix in ("", "/llm"):  # --root-path: behind a proxy's prefix, and without it
             assert httpx.get(f"{url}{prefix}/v1/models").json()["data"][0]["id"] == "tiny"
         ids = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
