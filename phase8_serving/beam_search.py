@@ -109,6 +109,7 @@ class BeamSearch:
         length = len(beam.tokens) - (beam.finish_reason == "stop")  # a final EOS does not count
         return beam.cum_logprob / length**self.params.length_penalty
 
+    # exercise 8.4: one step of beam search
     def advance(self, candidates: Sequence[Sequence[tuple[int, float]]]) -> None:
         """`candidates`: per beam, in `beams` order, its likeliest next tokens and logprobs."""
         extended = []

@@ -248,6 +248,17 @@ EXERCISES: dict[str, Exercise] = {
         ),
         needs=("8.1",),  # the hold-back is held_back_length's
     ),
+    "8.4": Exercise(
+        "Extend each beam by each of its candidates (tokens + [token], cum_logprob + logprob, "
+        "the logprob appended); one that ends in an EOS token (unless ignore_eos) is complete: "
+        "finish 'stop', into completed; keep the beam_width best others by score, best first, "
+        "as the beams; count the step.",
+        (
+            "tests/phase8/test_beam_search.py::test_the_search_finds_what_greedy_misses",
+            "tests/phase8/test_beam_search.py::"
+            "test_eos_sets_a_beam_aside_and_the_length_penalty_weighs_lengths",
+        ),
+    ),
 }
 
 
