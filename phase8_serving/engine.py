@@ -589,7 +589,7 @@ class LLM:
                     tools=tools,
                     continue_final_message=continue_final_message,
                     **(chat_template_kwargs or {}),
-                ),  # fmt: skip
+                ),
                 add_special_tokens=False,  # the rendered template already holds them
             )
             for c in conversations
