@@ -329,6 +329,8 @@ class ServerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.root_path and not (self.root_path.startswith("/") and self.root_path[-1] != "/"):
+            raise ValueError(f"root_path must look like /prefix, got {self.root_path!r}")
         for name in ("max_request_body_bytes", "max_choices_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

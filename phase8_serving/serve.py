@@ -77,7 +77,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every streamed chunk carries usage, whatever the request's "
                         "stream_options (vLLM's flag)")  # fmt: skip
-    p.add_argument("--root-path", default="",
+    p.add_argument("--root-path", type=root_path, default="",
                    help="the path prefix of a proxy in front (/llm: /llm/v1/... and /v1/... "
                         "both served; vLLM's flag)")  # fmt: skip
     p.add_argument("--chat-template", default=None,
@@ -221,6 +221,13 @@ def read_chat_template(given: str | None) -> str | None:
 
 def exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(0)
+
+
+def root_path(text: str) -> str:
+    """argparse type: /prefix, or nothing (checked at once, not after the model has loaded)."""
+    if text and not (text.startswith("/") and text[-1] != "/"):
+        raise argparse.ArgumentTypeError(f"must look like /prefix, got {text!r}")
+    return text
 
 
 def seconds(text: str) -> float:

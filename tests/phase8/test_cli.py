@@ -105,6 +105,8 @@ def test_a_vllm_command_line_runs_and_what_it_cannot_have_is_refused(tiny_dir, t
     assert parse(["generate", "hi", "--data-parallel-size", "1"])  # serve's own flag elsewhere
     with pytest.raises(SystemExit):  # argparse names the one parser there is
         parse(["serve", "--tool-call-parser", "mistral"])
+    with pytest.raises(SystemExit):  # before the model loads
+        parse(["serve", "--root-path", "llm/"])
 
 
 def test_serve_seed_seeds_each_engine_core(tiny_dir):

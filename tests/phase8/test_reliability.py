@@ -137,6 +137,9 @@ def test_api_key(live_server):
         client = openai.OpenAI(base_url=f"{url}{prefix}/v1", api_key="sekret", max_retries=0)
         assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
     assert httpx.get(f"{url}/llmx/health").status_code == 401  # not the prefix: a path it guards
+    for bad in ("llm", "/llm/"):
+        with pytest.raises(ValueError, match="root_path must look like /prefix"):
+            ServerConfig(MODEL_NAME, MAX_MODEL_LEN, root_path=bad)
 
 
 async def _stream_one(client: httpx.AsyncClient, i: int) -> tuple[str, str | None, bool]:
