@@ -83,7 +83,7 @@ def test_the_serve_flags_take_the_server_settings_defaults_without_the_server():
     assert result.returncode == 0, result.stderr
 
 
-def test_a_vllm_command_line_runs_and_what_it_cannot_have_is_refused(tiny_dir, tmp_path):
+def test_a_vllm_command_line_runs_and_what_it_cannot_have_is_refused(tiny_dir):
     """vLLM's engine flags that mean nothing here are accepted at the value that asks for
     nothing (`--trust-remote-code` at any), and refused with the reason at any other, before
     anything loads; the server's (`--enable-auto-tool-choice`, `--tool-call-parser hermes`) are
@@ -115,13 +115,8 @@ def test_serve_seed_seeds_each_engine_core(tiny_dir):
     parse = build_parser().parse_args
     spec = serve.core_spec(parse(["serve", str(tiny_dir), "--seed", "7", "--device", "cpu",
                                   "--dtype", "float32"]))  # fmt: skip
-    assert (
-        spec.seed == 7
-        and serve.core_spec(
-            parse(["engine-core", str(tiny_dir), "--address", "tcp://x:1", "--seed", "7"])
-        ).seed
-        == 7
-    )
+    core = parse(["engine-core", str(tiny_dir), "--address", "tcp://x:1", "--seed", "7"])
+    assert spec.seed == 7 and serve.core_spec(core).seed == 7
     torch.manual_seed(0)
     build_llm(spec)
     assert torch.initial_seed() == 7
