@@ -107,25 +107,25 @@ class BeamSearch:
 
     def score(self, beam: BeamSearchSequence) -> float:
         length = len(beam.tokens) - (beam.finish_reason == "stop")  # a final EOS does not count
-        return beam.cum_logprob / length**self.params.length_penalty
+        return self.length_score(beam.cum_logprob, length)
+
+    def length_score(self, cum_logprob: float, length: int) -> float:
+        return cum_logprob / length**self.params.length_penalty
 
     # exercise 8.4: one step of beam search
     def advance(self, candidates: Sequence[Sequence[tuple[int, float]]]) -> None:
         """`candidates`: per beam, in `beams` order, its likeliest next tokens and logprobs."""
-        extended = []
+        extended = []  # (score, beam, token, logprob): the k x 2k, copied only if kept
         for beam, options in zip(self.beams, candidates, strict=True):
             for token, logprob in options:
-                new = BeamSearchSequence(
-                    beam.tokens + [token], beam.num_prompt_tokens, beam.cum_logprob + logprob,
-                    beam.logprobs + [logprob],
-                )  # fmt: skip
                 if token in self.eos and not self.params.ignore_eos:
-                    new.finish_reason = "stop"
-                    self.completed.append(new)
+                    self.completed.append(extend(beam, token, logprob, "stop"))
                 else:
-                    extended.append(new)
-        extended.sort(key=self.score, reverse=True)
-        self.beams = extended[: self.params.beam_width]
+                    score = self.length_score(beam.cum_logprob + logprob, len(beam.tokens) + 1)
+                    extended.append((score, beam, token, logprob))
+        extended.sort(key=lambda c: c[0], reverse=True)
+        kept = extended[: self.params.beam_width]
+        self.beams = [extend(beam, token, logprob) for _, beam, token, logprob in kept]
         self.num_steps += 1
 
     def result(self, decode: Callable[[list[int]], str]) -> BeamSearchOutput:
@@ -136,3 +136,13 @@ class BeamSearch:
         for beam in best:
             beam.text = decode(beam.output_token_ids)
         return BeamSearchOutput(best)
+
+
+def extend(
+    beam: BeamSearchSequence, token: int, logprob: float, finish_reason: str | None = None
+) -> BeamSearchSequence:
+    """`beam` with one more token: a new sequence (beams share their prefixes' lists otherwise)."""
+    return BeamSearchSequence(
+        beam.tokens + [token], beam.num_prompt_tokens, beam.cum_logprob + logprob,
+        beam.logprobs + [logprob], finish_reason,
+    )  # fmt: skip

@@ -300,6 +300,12 @@ def engine_config(caller: str, kwargs: dict[str, object], others: tuple[str, ...
     return EngineConfig(**config_kwargs)
 
 
+def check_root_path(path: str) -> None:
+    """A proxy's path prefix: /prefix, or nothing."""
+    if path and not (path.startswith("/") and path[-1] != "/"):
+        raise ValueError(f"root_path must look like /prefix, got {path!r}")
+
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # a long-context prompt as text fits well inside
 DEFAULT_MAX_CHOICES_PER_REQUEST = 256  # prompts x n: an engine's worth of running requests
 
@@ -329,8 +335,7 @@ class ServerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.root_path and not (self.root_path.startswith("/") and self.root_path[-1] != "/"):
-            raise ValueError(f"root_path must look like /prefix, got {self.root_path!r}")
+        check_root_path(self.root_path)
         for name in ("max_request_body_bytes", "max_choices_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -28,6 +28,7 @@ from .config import (
     DEFAULT_MAX_CHOICES_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ServerConfig,
+    check_root_path,
     engine_config,
 )
 
@@ -225,8 +226,10 @@ def exit_on_signal(signum: int, frame) -> None:
 
 def root_path(text: str) -> str:
     """argparse type: /prefix, or nothing (checked at once, not after the model has loaded)."""
-    if text and not (text.startswith("/") and text[-1] != "/"):
-        raise argparse.ArgumentTypeError(f"must look like /prefix, got {text!r}")
+    try:
+        check_root_path(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
