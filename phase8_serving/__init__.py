@@ -3,8 +3,8 @@
 Phase 7's engine behind an OpenAI-compatible HTTP server: the engine steps in engine core
 processes (`engine_core.py`, token ids only), the server's process keeps the text
 (`async_engine.AsyncLLM`: tokenizing, detokenizing, stop strings, one async stream of deltas per
-request), and a FastAPI app (`api_server.build_app`) speaks /v1/completions and
-/v1/chat/completions, streaming included, to any OpenAI client. `mini-vllm
+request), and a FastAPI app (`api_server.build_app`) speaks /v1/completions,
+/v1/chat/completions and /v1/responses, streaming included, to any OpenAI client. `mini-vllm
 serve|engine-core|generate|chat|bench` (cli.py) is the command line. The engine gains what clients
 ask for: presence/frequency/repetition penalties and logprobs. The offline `LLM` is the same two
 halves in one process: the engine (token ids only) and the server's output processor (text, stop

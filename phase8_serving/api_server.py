@@ -7,8 +7,10 @@ at the door (protocol.py), then `OpenAIServing` (serving_engine.py) turns it int
 hands the order to the kitchen (`AsyncLLM`) and carries the dishes back, at once or course by
 course as server-sent events. This file holds the routes and what guards all of them.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-POST /tokenize and POST /detokenize (vLLM's: a prompt's or a chat's token ids, and back),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET or DELETE
+/v1/responses/{id} (OpenAI's Responses API, serving_responses.py), GET /v1/models,
+GET /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's: a prompt's or a chat's token
+ids, and back),
 GET /version, GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from
 protocol.py's models), GET /dashboard (dashboard.py: the engine, live in a browser; off with
 `enable_dashboard=False`), GET /load (vLLM's, with `enable_server_load_tracking`), and
@@ -46,10 +48,12 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     InvalidRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from .responses import model_card
 from .serving_engine import FastJSONResponse, OpenAIServing, error_response
+from .serving_responses import ResponsesServing
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/ping", "/version")  # reachable without the API key
@@ -90,6 +94,20 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.serve(body, request)
+
+    responses = ResponsesServing(server)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
 
     def card() -> dict:
         return model_card(config.model_name, config.max_model_len, config.model_root)
@@ -201,7 +219,7 @@ class LoadTrackingMiddleware:
     /load), each from its arrival until its response, streamed or not, has been sent or its
     client has gone."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 
     def __init__(self, app):
         self.app = app
@@ -226,10 +244,11 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and route_path(scope) not in OPEN_PATHS:
+        path = route_path(scope) if scope["type"] == "http" else None
+        if path is not None and path not in OPEN_PATHS:
             # a browser's EventSource sends no headers: the dashboard takes ?key= or a cookie
-            given = dict(scope["headers"]).get(b"authorization") or dashboard_credential(scope)
-            given = given or b""
+            given = dict(scope["headers"]).get(b"authorization")
+            given = given or dashboard_credential(scope, path) or b""
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(
                     401, "Incorrect API key provided.", code="invalid_api_key"

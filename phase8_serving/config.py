@@ -308,6 +308,7 @@ def check_root_path(path: str) -> None:
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # a long-context prompt as text fits well inside
 DEFAULT_MAX_CHOICES_PER_REQUEST = 256  # prompts x n: an engine's worth of running requests
+DEFAULT_MAX_STORED_RESPONSES = 1000  # /v1/responses kept in memory for previous_response_id
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,8 @@ class ServerConfig:
     enable_force_include_usage: bool = False
     root_path: str = ""  # the path prefix of a proxy in front: /v1/... is served under it too
     chat_template: str | None = None  # a template for every chat, instead of the checkpoint's
+    # the newest stored /v1/responses kept (serving_responses.py); 0: none is stored
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
 
     def __post_init__(self):
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
@@ -339,3 +342,5 @@ class ServerConfig:
         for name in ("max_request_body_bytes", "max_choices_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")

@@ -174,9 +174,10 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def dashboard_credential(scope) -> bytes | None:
-    """`Bearer <key>` from a dashboard path's `?key=` or cookie, for the API key middleware."""
-    if not scope["path"].startswith(DASHBOARD_PATH):
+def dashboard_credential(scope, path: str) -> bytes | None:
+    """`Bearer <key>` from a dashboard path's `?key=` or cookie, for the API key middleware
+    (`path`: the request's, without a proxy's prefix)."""
+    if not path.startswith(DASHBOARD_PATH):
         return None
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     key = query.get("key", [None])[0]
@@ -203,8 +204,8 @@ def add_page_routes(app: FastAPI, info: dict) -> None:
         response = HTMLResponse(static_text("dashboard.html"))
         key = request.query_params.get("key")
         if key is not None:  # reached here, so it is the right key: the page's fetches reuse it
-            response.set_cookie(KEY_COOKIE, key, path=DASHBOARD_PATH, httponly=True,
-                                samesite="strict")  # fmt: skip
+            path = request.scope["path"]  # /dashboard, or behind a proxy's prefix /llm/dashboard
+            response.set_cookie(KEY_COOKIE, key, path=path, httponly=True, samesite="strict")
         return response
 
     @app.get(DASHBOARD_PATH + "/dashboard.js", include_in_schema=False)

@@ -682,3 +682,324 @@ class DetokenizeRequest(BaseModel):
     model_config = STRICT
     model: str | None = None
     tokens: list[int]
+
+
+# --- POST /v1/responses (serving_responses.py): OpenAI's Responses API, run as a chat ---
+
+RESPONSES_INCLUDABLE = ("message.output_text.logprobs",)  # the one `include` this server fills
+MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+
+
+class ResponsesTextPart(BaseModel):
+    """An input item's text: `input_text` (what a client writes) or `output_text` (a reply's
+    part sent back in a history, with the fields the SDK gives it)."""
+
+    model_config = STRICT
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an output_text part's, as the SDK dumps it
+    logprobs: list[Any] | None = None
+
+
+def _text_parts(value, what: str):
+    """Names an image, file or audio part (pydantic's union error would only say the content
+    is not a string)."""
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind not in ("input_text", "output_text"):
+                raise unsupported(f"{what} part {i} of type {kind!r}; only input_text parts")
+    return value
+
+
+def _joined(content: "str | list[ResponsesTextPart]") -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+class ResponsesMessage(BaseModel):
+    model_config = STRICT
+    type: Literal["message"] = "message"
+    # developer is OpenAI's name for system; the chat template sees "system"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponsesTextPart]
+    id: str | None = None  # what a reply's message item carries, sent back in a history
+    status: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        return _text_parts(value, "content")
+
+
+class ResponsesFunctionCall(BaseModel):
+    """A call the model made (a reply's function_call item, sent back in a history)."""
+
+    model_config = STRICT
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: NonEmptyStr
+    arguments: str  # JSON text
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesFunctionCallOutput(BaseModel):
+    """What the client's function returned, for the call with this call_id."""
+
+    model_config = STRICT
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: str | list[ResponsesTextPart]
+    id: str | None = None
+    status: str | None = None
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        return _text_parts(value, "output")
+
+
+class ReasoningText(BaseModel):
+    model_config = STRICT
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ResponsesReasoning(BaseModel):
+    """A reply's reasoning item sent back in a history: the template sees it as the next
+    assistant message's `reasoning_content` (Qwen3's renders it in the latest turn)."""
+
+    model_config = STRICT
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = None  # nothing here encrypts
+    status: str | None = None
+
+
+def input_item_kind(value: Any) -> str:
+    """An item's `type`; a bare {role, content} is a message (OpenAI's easy input message).
+    (`value` is the parsed item when pydantic serializes one.)"""
+    if isinstance(value, dict):
+        kind = value.get("type", "message")
+        return kind if isinstance(kind, str) else "message"
+    return getattr(value, "type", "message")
+
+
+ResponsesInputItem = Annotated[
+    Annotated[ResponsesMessage, Tag("message")]
+    | Annotated[ResponsesFunctionCall, Tag("function_call")]
+    | Annotated[ResponsesFunctionCallOutput, Tag("function_call_output")]
+    | Annotated[ResponsesReasoning, Tag("reasoning")],
+    Discriminator(input_item_kind),
+]
+
+
+class ResponsesFunctionTool(BaseModel):
+    """A function the model may call: chat's tool without the `function` wrapper."""
+
+    model_config = STRICT
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedTool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, min_length=1, max_length=64)  # json_schema's
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None and self.name is not None):
+            raise ValueError("name and schema are required with type 'json_schema', and only then")
+        return self
+
+
+class ResponsesText(BaseModel):
+    model_config = STRICT
+    format: ResponsesTextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the default; nothing here makes it terser
+
+
+class ResponsesReasoningConfig(BaseModel):
+    """Accepted while it asks for nothing: a Qwen3 model thinks or not by its template's
+    `enable_thinking` (chat_template_kwargs), not by an effort level."""
+
+    model_config = STRICT
+    effort: None = None
+    summary: None = None
+    generate_summary: None = None
+
+
+class ResponsesStreamOptions(BaseModel):
+    model_config = STRICT
+    include_obfuscation: bool | None = None  # OpenAI's padding against side channels: none here
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses. Its items and settings become a chat (`chat_request`)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+    model: str | None = None
+    input: NonEmptyStr | Annotated[list[ResponsesInputItem], Field(min_length=1)]
+    instructions: str | None = None  # a system message first; not carried to the next response
+    previous_response_id: str | None = None  # go on from a stored response's conversation
+    store: bool = True  # keep this response for GET and previous_response_id
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include: list[str] | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoningConfig | None = None
+    metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE)]] | None = None
+    stream: bool | None = False
+    stream_options: ResponsesStreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as by vLLM
+    safety_identifier: str | None = None  # likewise
+    prompt_cache_key: str | None = None  # a routing hint; the prefix cache needs none
+    service_tier: Literal["auto", "default"] | None = None
+    truncation: Literal["disabled"] | None = None  # a prompt too long is a 400, never cut
+    background: Literal[False] | None = None
+    max_tool_calls: None = None  # limits built-in tools' calls: there are none here
+    # vLLM's extras, as on the chat endpoint
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
+    presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    stop: NonEmptyStr | StopList | None = None
+    chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _functions_only(cls, value):
+        for i, tool in enumerate(value if isinstance(value, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            if kind != "function":  # web_search, file_search, mcp, ...: built-in tools
+                raise unsupported(f"tool {i} of type {kind!r}; only function tools")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, value: list[str] | None):
+        for name in value or ():
+            if name not in RESPONSES_INCLUDABLE:
+                raise unsupported(f"{name!r}; only {', '.join(RESPONSES_INCLUDABLE)}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, str] | None):
+        if value is not None and len(value) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(value)}")
+        for key in value or ():
+            if len(key) > MAX_METADATA_KEY:
+                raise ValueError(f"a key is at most {MAX_METADATA_KEY} characters: {key[:80]!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def logprobs(self) -> bool:
+        """Logprobs come back only when `include` asks for them (OpenAI's rule)."""
+        return "message.output_text.logprobs" in (self.include or ())
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The input items as chat messages: an assistant's function calls (and the reasoning
+        before them) one assistant message with tool_calls, each output a tool message."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        messages: list[dict[str, Any]] = []
+        reasoning: str | None = None  # for the next assistant message
+        for item in self.input:
+            if isinstance(item, ResponsesReasoning):
+                parts = item.content if item.content is not None else item.summary
+                reasoning = (reasoning or "") + "".join(p.text for p in parts)
+                continue
+            if isinstance(item, ResponsesFunctionCallOutput):
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": _joined(item.output)})  # fmt: skip
+                continue
+            if isinstance(item, ResponsesFunctionCall):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and reasoning is None:
+                    last.setdefault("tool_calls", []).append(call)  # the same turn's calls
+                    last["content"] = last["content"] or ""
+                    continue
+                message = {"role": "assistant", "content": "", "tool_calls": [call]}
+            else:
+                role = "system" if item.role == "developer" else item.role
+                message = {"role": role, "content": _joined(item.content)}
+            if message["role"] == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        return messages
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The chat request's settings (not its messages): what it is validated and run with."""
+        fields: dict[str, Any] = {
+            name: value
+            for name in (
+                "temperature",
+                "top_p",
+                "parallel_tool_calls",
+                "top_k",
+                "min_p",
+                "seed",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "stop",
+                "chat_template_kwargs",
+            )  # fmt: skip
+            if (value := getattr(self, name)) is not None
+        }
+        if self.max_output_tokens is not None:
+            fields["max_completion_tokens"] = self.max_output_tokens
+        if self.logprobs:
+            fields["logprobs"], fields["top_logprobs"] = True, self.top_logprobs or 0
+        if self.tools:
+            fields["tools"] = [
+                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                for t in self.tools
+            ]
+        if isinstance(self.tool_choice, ResponsesNamedTool):
+            named = {"name": self.tool_choice.name}
+            fields["tool_choice"] = {"type": "function", "function": named}
+        elif self.tool_choice is not None:
+            fields["tool_choice"] = self.tool_choice
+        form = self.text.format if self.text is not None else None
+        if form is not None and form.type == "json_schema":
+            schema = {"name": form.name, "schema": form.json_schema, "strict": form.strict}
+            fields["response_format"] = {"type": "json_schema", "json_schema": schema}
+        elif form is not None:
+            fields["response_format"] = {"type": form.type}
+        return fields

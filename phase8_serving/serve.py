@@ -27,6 +27,7 @@ from .arg_utils import DEFAULT_HOST, DEFAULT_PORT, add_engine_args, engine_kwarg
 from .config import (
     DEFAULT_MAX_CHOICES_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_STORED_RESPONSES,
     ServerConfig,
     check_root_path,
     engine_config,
@@ -64,6 +65,9 @@ def add_serve_parser(subparsers) -> None:
                    help="larger request bodies are answered 413 (default: 16 MiB)")  # fmt: skip
     p.add_argument("--max-choices-per-request", type=int, default=DEFAULT_MAX_CHOICES_PER_REQUEST,
                    help="prompts x n in one request; more is a 400 (default 256)")  # fmt: skip
+    p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                   help="the newest /v1/responses kept in memory for GET and "
+                        "previous_response_id (default 1000; 0: none)")  # fmt: skip
     p.add_argument("--enable-log-requests", action="store_true",
                    help="a log line per request, and uvicorn's access log")  # fmt: skip
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -153,6 +157,7 @@ def serve(args: argparse.Namespace) -> None:
             name, llm.info.max_model_len, args.api_key,
             max_request_body_bytes=args.max_request_body_bytes,
             max_choices_per_request=args.max_choices_per_request,
+            max_stored_responses=args.max_stored_responses,
             enable_log_requests=args.enable_log_requests,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             enable_dashboard=not args.disable_dashboard, model_root=args.model,

@@ -135,9 +135,9 @@ class OpenAIServing:
                 "n" if chat else "prompt",
             )
         if isinstance(body, CompletionRequest) and body.has_token_ids:
-            prompts = self._prompt_token_ids(body)  # nothing to tokenize: no hop to a thread
+            prompts = self.prompt_token_ids(body)  # nothing to tokenize: no hop to a thread
         else:
-            prompts = await self.llm.run_in_tokenizer_pool(self._prompt_token_ids, body)
+            prompts = await self.llm.run_in_tokenizer_pool(self.prompt_token_ids, body)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if not body.echo:
             echoed = None
@@ -167,12 +167,12 @@ class OpenAIServing:
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
         if body.use_beam_search:
             return await self._beam_search(request_id, body, prompts, choices, meta, request)
-        stream = await self._open(request_id, body, prompts)  # closed however this ends
+        stream = await self.open_requests(request_id, body, prompts)  # closed however this ends
         if body.stream:
             events = self._events(stream, choices, meta, body, prompts, chat)
             return EngineStreamingResponse(events, stream, request_id)
         try:
-            client_left = await _unless_disconnected(request, _collect(stream, choices))
+            client_left = await unless_disconnected(request, _collect(stream, choices))
         except (EngineStepError, EngineDeadError) as e:
             return error_response(500, f"Internal server error: {e}")
         finally:
@@ -205,7 +205,7 @@ class OpenAIServing:
                 raise InvalidRequest(str(e)) from e
             searches.append(BeamSearch(prompt, params, self.tokenizer.eos_token_ids))
         try:
-            client_left = await _unless_disconnected(request, self._search(request_id, searches))
+            client_left = await unless_disconnected(request, self._search(request_id, searches))
         except (EngineStepError, EngineDeadError) as e:
             return error_response(500, f"Internal server error: {e}")
         if client_left:
@@ -246,7 +246,7 @@ class OpenAIServing:
             for search in running:
                 search.advance([next(ordered) for _ in search.beams])
 
-    def _prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
+    def prompt_token_ids(self, body: SamplingRequest) -> list[list[int]]:
         """Runs in the tokenizer pool: templates and tokenizing can take seconds on big input
         (token ids alone are checked on the event loop: a hop to a thread cost more)."""
         tok, chat = self.tokenizer, isinstance(body, ChatCompletionRequest)
@@ -339,7 +339,7 @@ class OpenAIServing:
             )
         return {"prompt": self.tokenizer.decode(tokens)}
 
-    async def _open(
+    async def open_requests(
         self, request_id: str, body: SamplingRequest, prompts: list[list[int]]
     ) -> RequestStream:
         """All engine requests of this HTTP request, admitted in one message; choice index =
@@ -482,7 +482,7 @@ async def _collect(stream: RequestStream, choices: list[ChoiceStream]) -> None:
             choices[index].add(delta, stream.collector.prompt_logprobs)
 
 
-async def _unless_disconnected(request: Request, work) -> bool:
+async def unless_disconnected(request: Request, work) -> bool:
     """Awaits `work`; True if the client hung up first (the work is then cancelled)."""
     task = asyncio.ensure_future(work)
 

@@ -267,9 +267,13 @@ function renderRequests(frame) {
 
 // -- where frames come from ----------------------------------------------------------------
 
+// The page's own path, so that behind a proxy's prefix (--root-path /llm: /llm/dashboard) its
+// requests go where it came from.
+const BASE = location.pathname.replace(/\/+$/, "");
+
 function startLive(info) {
   $("source").textContent = `live: ${info.model}`;
-  const events = new EventSource("/dashboard/events");
+  const events = new EventSource(`${BASE}/events`);
   events.onopen = () => { $("status").textContent = "live"; };
   events.onerror = () => { $("status").textContent = "disconnected, retrying…"; };
   events.onmessage = (message) => {
@@ -282,7 +286,7 @@ function startLive(info) {
 async function startReplay(info) {
   $("source").textContent = `replay: ${info.trace}`;
   document.body.classList.add("replay");  // a trace records no latencies: hide those cards
-  const frames = await (await fetch("/dashboard/frames")).json();
+  const frames = await (await fetch(`${BASE}/frames`)).json();
   const slider = $("slider");
   $("replay-controls").style.display = "flex";
   slider.max = String(frames.length - 1);
@@ -319,7 +323,7 @@ async function startReplay(info) {
 }
 
 async function main() {
-  const info = await (await fetch("/dashboard/info")).json();
+  const info = await (await fetch(`${BASE}/info`)).json();
   // The key, if one was given in the address, now lives in a cookie: drop it from the bar.
   const params = new URLSearchParams(location.search);
   if (params.has("key")) {

@@ -21,6 +21,7 @@ from dataclasses import replace
 import httpx
 import pytest
 import torch
+from starlette.responses import Response
 
 import phase4_scheduler as p4
 import phase5_paged as p5
@@ -55,7 +56,7 @@ def dashboard_server(tiny_dir):
     host = ServerHost()
     try:
         config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, api_key=KEY)
-        yield host.serve(build_app(llm, config)), llm
+        yield host.serve(build_app(llm, config)), llm, host
     finally:
         host.close()
         llm.shutdown()
@@ -110,7 +111,7 @@ VALUE = "document.getElementById('{}').dataset.value"
 
 
 def test_the_page_shows_the_running_engine_and_the_numbers_of_metrics(dashboard_server, browser):
-    url, _ = dashboard_server
+    url, *_ = dashboard_server
     before = metrics(url)  # the page's minute starts when it connects: from these totals on
     with browser.open(f"{url}/dashboard?key={KEY}") as page:  # a browser sends no header
         watch_a_run(page, url, before)
@@ -160,7 +161,7 @@ def watch_a_run(page, url: str, before: dict[str, float]) -> None:
 
 
 def test_the_dashboard_needs_the_api_key(dashboard_server):
-    url, _ = dashboard_server
+    url, *_ = dashboard_server
     for path in ("/dashboard", "/dashboard/events", "/dashboard/info"):
         assert httpx.get(url + path).status_code == 401
         assert httpx.get(url + path, params={"key": "wrong"}).status_code == 401
@@ -177,13 +178,38 @@ def test_the_dashboard_needs_the_api_key(dashboard_server):
     assert httpx.post(url + "/v1/completions", params={"key": KEY}, json=body).status_code == 401
 
 
+def test_the_dashboard_behind_a_proxy_prefix(dashboard_server, browser):
+    """--root-path /llm: the page, its script, info and events answer under the prefix, the
+    key's cookie is the prefixed path's, and in a browser the page goes live there: its own
+    requests go to where it came from, not to /dashboard."""
+    _, llm, host = dashboard_server
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, api_key=KEY, root_path="/llm")
+    app = build_app(llm, config)
+
+    async def proxy(scope, receive, send):  # forwards only what is under its prefix
+        if scope["type"] == "http" and not scope["path"].startswith("/llm/"):
+            return await Response("not forwarded", 404)(scope, receive, send)
+        await app(scope, receive, send)
+
+    url = host.serve(proxy) + "/llm"
+    page = httpx.get(url + "/dashboard", params={"key": KEY})
+    assert page.status_code == 200 and "Path=/llm/dashboard" in page.headers["set-cookie"]
+    script = re.search(r'<script src="([^"]+)"', page.text).group(1)
+    assert httpx.get(httpx.URL(url + "/dashboard").join(script), headers=AUTH).status_code == 200
+    cookies = {"mini_vllm_dashboard_key": KEY}
+    assert httpx.get(url + "/dashboard/info", cookies=cookies).json()["mode"] == "live"
+    assert httpx.get(url + "/dashboard/info").status_code == 401
+    with browser.open(f"{url}/dashboard?key={KEY}") as tab:
+        tab.wait_for("document.getElementById('status').textContent === 'live'")
+
+
 def next_frame(lines) -> dict:
     return json.loads(next(line for line in lines if line)[len("data: ") :])
 
 
 def test_no_page_open_no_snapshot(dashboard_server):
     """The core sends every snapshot it takes, so counting them in the front end counts them."""
-    url, llm = dashboard_server
+    url, llm, _ = dashboard_server
     time.sleep(0.3)  # the pages of earlier tests are gone
     received = []
     llm.on_engine_stats(lambda core, snapshot: received.append(snapshot))
@@ -208,7 +234,7 @@ def test_no_page_open_no_snapshot(dashboard_server):
 
 
 def test_the_engine_is_watched_while_any_page_is_open(dashboard_server):
-    url, _ = dashboard_server
+    url, *_ = dashboard_server
     body = {"prompt": "two pages", "max_tokens": 8, "ignore_eos": True}
     with (
         httpx.stream("GET", url + "/dashboard/events", headers=AUTH, timeout=10) as first,
@@ -267,7 +293,7 @@ def test_a_snapshot_descheduled_midway_costs_only_its_cpu_time(tiny_dir, offline
 
 
 def test_disable_dashboard(dashboard_server):
-    _, llm = dashboard_server
+    _, llm, _ = dashboard_server
     app = build_app(llm, ServerConfig(MODEL_NAME, MAX_MODEL_LEN, enable_dashboard=False))
     assert not any(getattr(r, "path", "").startswith("/dashboard") for r in app.routes)
 

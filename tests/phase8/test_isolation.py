@@ -347,5 +347,5 @@ def test_only_text_goes_through_the_tokenizer_pool(live_server, monkeypatch):
         body = {"prompt": prompt, "max_tokens": 2}
         response = httpx.post(live_server.base_url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
-    assert hops == ["_prompt_token_ids"]  # the text prompt's alone
+    assert hops == ["prompt_token_ids"]  # the text prompt's alone
     live_server.wait_until_idle(timeout=2.0)

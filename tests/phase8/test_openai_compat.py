@@ -191,15 +191,17 @@ def test_load_counts_the_generation_requests_in_progress(live_server, http):
             response = tracked.post("/v1/completions", json={"prompt": "hi", **body})
             assert response.status_code in (200, 400) and load_once_answered() == 0
     # while one is in progress (an app that waits, behind the same middleware)
-    seen, release = [], asyncio.Event()
+    seen = []
 
-    async def slow_app(scope, receive, send):
-        seen.append(scope["app"].state.server_load)
-        await release.wait()
-        raise RuntimeError("the response failed")
+    async def drive(path: str):
+        release = asyncio.Event()
 
-    async def drive():
-        scope = {"type": "http", "path": "/v1/chat/completions", "app": app}
+        async def slow_app(scope, receive, send):
+            seen.append(scope["app"].state.server_load)
+            await release.wait()
+            raise RuntimeError("the response failed")
+
+        scope = {"type": "http", "path": path, "app": app}
         task = asyncio.create_task(LoadTrackingMiddleware(slow_app)(scope, None, None))
         await asyncio.sleep(0)
         other = {"type": "http", "path": "/metrics", "app": app}  # not a generation route
@@ -210,7 +212,9 @@ def test_load_counts_the_generation_requests_in_progress(live_server, http):
             await task
         return during
 
-    assert asyncio.run(drive()) == 1 and seen == [1] and app.state.server_load == 0
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        assert asyncio.run(drive(path)) == 1 and app.state.server_load == 0
+    assert seen == [1, 1]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -533,7 +537,7 @@ def test_add_special_tokens_and_truncate_prompt_tokens(tiny_dir):
     )
     serving = OpenAIServing(SimpleNamespace(tokenizer=tokenizer), ServerConfig("m", 24))
     text = tokenizer.encode("Hi there", add_special_tokens=False)
-    ids = serving._prompt_token_ids  # the rule under test
+    ids = serving.prompt_token_ids  # the rule under test
     assert ids(CompletionRequest(prompt="Hi there")) == [[bos, *text]]
     assert ids(CompletionRequest(prompt="Hi there", add_special_tokens=False)) == [text]
     chat_ = {"messages": MESSAGES}
