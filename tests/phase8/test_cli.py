@@ -78,6 +78,7 @@ def test_the_serve_flags_take_the_server_settings_defaults_without_the_server():
         "default = ServerConfig('m', 2)\n"
         "assert args.max_request_body_bytes == default.max_request_body_bytes\n"
         "assert args.max_choices_per_request == default.max_choices_per_request\n"
+        "assert args.max_stored_responses == default.max_stored_responses\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -332,7 +333,8 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
                "--num-kv-blocks", "24", "--enable-prompt-tokens-details",
                "--reasoning-parser", "qwen3", "--enable-server-load-tracking",
                "--enable-force-include-usage", "--root-path", "/llm", "--chat-template",
-               TEMPLATE, "--trust-remote-code", "--enable-auto-tool-choice"]  # fmt: skip
+               TEMPLATE, "--trust-remote-code", "--enable-auto-tool-choice",
+               "--max-stored-responses", "0"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -363,6 +365,9 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
         ids = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
         text = httpx.post(url + "/detokenize", json={"tokens": ids.json()["tokens"]}).json()
         assert text["prompt"] == "[user]Hi"  # --chat-template
+        response = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+        assert response.usage.output_tokens >= 1  # the Responses API, not stored:
+        assert httpx.get(f"{url}/v1/responses/{response.id}").status_code == 404
     finally:
         server.terminate()
         server.wait(timeout=30)
