@@ -36,6 +36,8 @@ _EXPORTS = {
     "SequenceStatus": "sequence",
     "StepTrace": "trace",
     "StructuredOutputsParams": "sampling_params",
+    "TextPrompt": "engine",
+    "TokensPrompt": "engine",
     "Tokenizer": "tokenizer",
     "load_model": "loader",
 }

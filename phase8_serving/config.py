@@ -30,6 +30,7 @@ dashboard), beside the engine's and, like it, importable without the server's de
 the command line takes its defaults from here and every part of the server reads one definition.
 """
 
+import dataclasses
 import difflib
 import enum
 import math
@@ -330,6 +331,9 @@ class ServerConfig:
     chat_template: str | None = None  # a template for every chat, instead of the checkpoint's
     # the newest stored /v1/responses kept (serving_responses.py); 0: none is stored
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    # what a request leaves unset, sampled as the model's generation config recommends
+    # (sampling_params.generation_defaults; `serve --generation-config`, vLLM's flag)
+    sampling_defaults: dict[str, typing.Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):

@@ -80,7 +80,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from tqdm.auto import tqdm
@@ -102,7 +102,12 @@ from .output_processor import (
     RequestState,
 )
 from .qwen3_5 import Qwen3_5ForCausalLM, is_hybrid
-from .sampling_params import PROMPT_LOGPROBS_NEED_ONE_RANK, SEED_LIMIT, SamplingParams
+from .sampling_params import (
+    PROMPT_LOGPROBS_NEED_ONE_RANK,
+    SEED_LIMIT,
+    SamplingParams,
+    generation_defaults,
+)
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
 from .streaming import OutputDelta
@@ -113,7 +118,20 @@ from .worker import start_workers
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]  # text, or token ids
+
+class TextPrompt(TypedDict):
+    """vLLM's prompt as a dict: `{"prompt": "text"}`."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's prompt as a dict: `{"prompt_token_ids": [ids]}`."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt  # text, or token ids
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
 
 
@@ -125,6 +143,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort"; None while running
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if the request asked
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it
+    # vLLM's: the sum of the logprobs of every token so far, if the request asked for logprobs
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -207,10 +227,25 @@ class InFlightStep:
         self.seq_ids = {seq.seq_id for seq, _ in scheduled}
 
 
-def check_prompt(name: str, prompt: object) -> None:
-    """Raises TypeError unless `prompt` is text or a list of token ids (bytes are neither)."""
+def as_prompt(name: str, prompt: object) -> str | list[int]:
+    """`prompt` as text or token ids: vLLM's dicts (`TextPrompt`, `TokensPrompt`) unwrapped.
+    Raises TypeError for anything else (bytes are not text) and ValueError for a dict with other
+    keys (vLLM's `multi_modal_data`, say: there is nothing here to take them)."""
+    if isinstance(prompt, dict):
+        keys = sorted(map(str, prompt))
+        if keys not in (["prompt"], ["prompt_token_ids"]):
+            raise ValueError(f"{name} as a dict takes one key, 'prompt' (text) or "
+                             f"'prompt_token_ids' (token ids), got {keys}")  # fmt: skip
+        key, kind = ("prompt", str) if "prompt" in keys else ("prompt_token_ids", list)
+        prompt = prompt[key]
+        if not isinstance(prompt, kind):
+            raise TypeError(
+                f"{name}[{key!r}] must be a {kind.__name__}, got {type(prompt).__name__}"
+            )
     if not isinstance(prompt, str | list):
-        raise TypeError(f"{name} must be a str or a list of token ids, got {type(prompt).__name__}")
+        kind = type(prompt).__name__
+        raise TypeError(f"{name} must be a str, a list of token ids or a prompt dict, got {kind}")
+    return prompt
 
 
 def check_optional(name: str, value: object, cls: type) -> None:
@@ -282,7 +317,7 @@ class LLMEngine:
         """Queues one request; raises (changing nothing) if it is malformed or can never run.
         `group_id`: the client request it is one choice of, shared by all of them (the scheduler
         is fair across groups, not sequences); None: a group of its own."""
-        check_prompt("prompt", prompt)
+        prompt = as_prompt("prompt", prompt)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_optional("request_id", request_id, str)
@@ -484,7 +519,7 @@ class LLMEngine:
 
 
 # `LLM`'s own keyword arguments; every other one is an engine argument (config.engine_config)
-LLM_ARGUMENTS = ("model", "dtype", "device", "trace", "seed")
+LLM_ARGUMENTS = ("model", "dtype", "device", "trace", "seed", "generation_config")
 
 
 class LLM:
@@ -494,6 +529,10 @@ class LLM:
     `dtype`: "auto" (bf16 on a bf16-capable GPU, else fp32), or "float32"/"bfloat16"/"float16".
     `seed`: seeds torch's random state, which requests without a seed of their own draw from
     (vLLM's engine seed); None leaves it as it is.
+    `generation_config` (vLLM's): "auto" samples a call without `sampling_params` as the
+    checkpoint's generation_config.json recommends (Qwen3: temperature 0.6, top_p 0.95, top_k
+    20; `get_default_sampling_params`), "vllm" with `SamplingParams()`, or a directory whose
+    generation_config.json to read.
     `engine_kwargs`: vLLM's engine arguments (max_model_len, max_num_seqs, gpu_memory_utilization,
     tensor_parallel_size, enforce_eager, ...): `EngineConfig`'s fields, and vLLM's other names
     for them (config.py's `engine_config`); an unknown one is a TypeError that lists them.
@@ -507,6 +546,7 @@ class LLM:
         device: str | torch.device | None = None,
         trace: StepTrace | None = None,
         seed: int | None = None,
+        generation_config: str = "auto",
         **engine_kwargs,
     ):
         # bad settings fail before the slow load
@@ -522,6 +562,10 @@ class LLM:
         resolve_dtype(dtype, device)  # raises on an unknown dtype
         config = config.for_device(device.type)  # every rank gets the same batch sizes
         model_dir = resolve_model_dir(default_model_dir() if model is None else model)
+        self.sampling_defaults = generation_defaults(model_dir, generation_config)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation config (without "
+                        "sampling_params): %s", self.sampling_defaults)  # fmt: skip
         # Tensor parallelism (worker.py): ranks 1.. load their shards in their own processes
         # and follow this one's steps; with one rank there is no process group at all.
         model_config = read_model_config(model_dir)
@@ -556,6 +600,10 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what `generate` and `chat` sample with when given no `sampling_params`."""
+        return SamplingParams(**self.sampling_defaults)
 
     def chat(
         self,
@@ -607,6 +655,8 @@ class LLM:
         All or nothing: if anything raises (a bad prompt, a model error, Ctrl-C), every request
         of this call is aborted before the error propagates, so none runs later by surprise.
         """
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         prompts, params = check_batch(prompts, sampling_params)
         ids: list[str] = []
         try:
@@ -664,6 +714,7 @@ class LLM:
         """Queues one request; raises (changing nothing) if it is malformed or can never run.
         With `params.n` > 1 it queues n, choice i seeded `seed + i` (vLLM's rule), whose outputs
         come back under one request id, each completion with its `index`."""
+        prompt = as_prompt("prompt", prompt)
         check_optional("output_kind", output_kind, RequestOutputKind)
         check_optional("request_id", request_id, str)
         if request_id in self.parents or (request_id is not None and request_id in self.requests):
@@ -792,10 +843,15 @@ class LLM:
                                 prompt_logprobs=request.prompt_logprobs)  # fmt: skip
 
     def _request_output(self, llm_request: LLMRequest, delta: OutputDelta) -> RequestOutput:
-        seq = llm_request.request.seq
+        request = llm_request.request
+        seq = request.seq
         logprobs = None if delta.logprobs is None else list(delta.logprobs)
+        cumulative = None  # every token's so far, whatever this output carries
+        if seq.params.logprobs is not None:
+            cumulative = sum(lp.logprob for lp in request.logprobs)
         completion = CompletionOutput(llm_request.index, delta.text, list(delta.token_ids),
-                                      delta.finish_reason, logprobs, delta.stop_reason)  # fmt: skip
+                                      delta.finish_reason, logprobs, delta.stop_reason,
+                                      cumulative)  # fmt: skip
         cached = seq.num_cached_tokens if seq.num_cached_tokens >= 0 else None
         prompt_logprobs = llm_request.state.collector.prompt_logprobs.get(0)
         return RequestOutput(seq.request_id, llm_request.prompt, seq.prompt_token_ids,
@@ -808,14 +864,13 @@ def check_batch(
 ) -> tuple[list[Prompt], list[SamplingParams]]:
     """`generate`'s arguments as one list of prompts and one of params, each checked by index.
 
-    A bare string is one prompt (as in vLLM); bytes are not text and are refused.
+    A bare string or prompt dict is one prompt (as in vLLM); bytes are not text and are refused.
     """
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):
         prompts = [prompts]
     if not isinstance(prompts, list | tuple):
         raise TypeError(f"prompts must be a str or a list of prompts, got {type(prompts).__name__}")
-    for i, prompt in enumerate(prompts):
-        check_prompt(f"prompts[{i}]", prompt)
+    prompts = [as_prompt(f"prompts[{i}]", prompt) for i, prompt in enumerate(prompts)]
     params = SamplingParams() if sampling_params is None else sampling_params
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)

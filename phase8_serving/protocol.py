@@ -300,9 +300,13 @@ class SamplingRequest(BaseModel):
         return self.prompt_logprobs
 
     def sampling_params(
-        self, num_prompt_tokens: int, max_model_len: int, choice: int
-    ) -> SamplingParams:
-        """The engine's params for choice `choice` of this request, for a prompt of that length."""
+        self, num_prompt_tokens: int, max_model_len: int, choice: int,
+        defaults: dict[str, Any] | None = None,
+    ) -> SamplingParams:  # fmt: skip
+        """The engine's params for choice `choice` of this request, for a prompt of that length;
+        `defaults` (the model's generation config, ServerConfig.sampling_defaults) fill what the
+        request leaves unset."""
+        defaults = defaults or {}
         prompt_param = self.PROMPT_FIELD
         if num_prompt_tokens >= max_model_len:
             raise InvalidRequest(
@@ -311,8 +315,9 @@ class SamplingRequest(BaseModel):
                 prompt_param,
             )
         max_tokens = self.requested_max_tokens()
-        if max_tokens is None:
+        if max_tokens is None:  # the rest of the context, or the generation config's, if less
             max_tokens = max_model_len - num_prompt_tokens
+            max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
         elif num_prompt_tokens + max_tokens > max_model_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -321,7 +326,7 @@ class SamplingRequest(BaseModel):
                 "max_tokens",
             )
         given = {
-            name: value
+            name: value if value is not None else defaults[name]
             for name in (
                 "temperature",
                 "top_p",
@@ -331,7 +336,7 @@ class SamplingRequest(BaseModel):
                 "frequency_penalty",
                 "repetition_penalty",
             )  # fmt: skip
-            if (value := getattr(self, name)) is not None
+            if (value := getattr(self, name)) is not None or name in defaults
         }
         return SamplingParams(
             **given,

@@ -27,6 +27,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .structured_output import compile_spec
@@ -350,3 +351,41 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+# A checkpoint's recommended sampling (generation_config.json: Qwen3's temperature 0.6, top_p
+# 0.95, top_k 20), used for what a request leaves unset, as vLLM does with
+# generation_config="auto" (its default); "vllm" ignores them. max_new_tokens is max_tokens.
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                          "max_new_tokens")  # fmt: skip
+
+
+def generation_defaults(model_dir: str | Path, generation_config: str = "auto") -> dict[str, Any]:
+    """The sampling defaults `generation_config` gives: "auto" the checkpoint's
+    generation_config.json, "vllm" none, or another directory's generation_config.json. Each is
+    checked as a `SamplingParams` field would be, so a bad file fails at start-up."""
+    if not isinstance(generation_config, str):
+        kind = type(generation_config).__name__
+        raise TypeError(f"generation_config must be 'auto', 'vllm' or a directory, got {kind}")
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_dir if generation_config == "auto" else generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config == "auto":
+            return {}
+        raise ValueError(f"generation_config: no generation_config.json in {folder}")
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable as JSON ({e})") from e
+    if not isinstance(found, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    defaults = {key: found[key] for key in GENERATION_CONFIG_KEYS if found.get(key) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+    return defaults

@@ -88,6 +88,11 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template for every chat, a file or the template itself, "
                         "instead of the checkpoint's (vLLM's flag)")  # fmt: skip
+    p.add_argument("--generation-config", default="auto",
+                   help="'auto': what a request leaves unset (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_tokens) is sampled as the checkpoint's "
+                        "generation_config.json recommends; 'vllm': the API's defaults; or a "
+                        "directory whose generation_config.json to read (vLLM's flag)")  # fmt: skip
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag; changes nothing here: a chat with tools always has its "
                         "Hermes-format calls parsed (tool_choice auto)")  # fmt: skip
@@ -135,6 +140,7 @@ def serve(args: argparse.Namespace) -> None:
     from .api_server import build_app
     from .async_engine import AsyncLLM
     from .default_model import MODEL_NAME
+    from .sampling_params import generation_defaults
 
     # Ctrl-C and SIGTERM stop the server quietly, with exit code 0 (a normal shutdown): uvicorn
     # handles them while it runs, then re-raises the one it got; exiting through Python (not by
@@ -146,6 +152,11 @@ def serve(args: argparse.Namespace) -> None:
     args.chat_template = read_chat_template(args.chat_template)
     name = args.served_model_name or args.model or MODEL_NAME
     spec = core_spec(args)
+    sampling_defaults = generation_defaults(spec.model, args.generation_config)  # before a spawn
+    if sampling_defaults:
+        log.info("requests sample as the model's generation config recommends, where they do "
+                 "not say (--generation-config vllm: the API's defaults): %s",
+                 sampling_defaults)  # fmt: skip
     if args.engine_core_address:
         llm = AsyncLLM.connect(spec.model, args.engine_core_address, name)
     else:
@@ -165,6 +176,7 @@ def serve(args: argparse.Namespace) -> None:
             enable_server_load_tracking=args.enable_server_load_tracking,
             enable_force_include_usage=args.enable_force_include_usage,
             root_path=args.root_path, chat_template=args.chat_template,
+            sampling_defaults=sampling_defaults,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)

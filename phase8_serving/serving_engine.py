@@ -344,14 +344,15 @@ class OpenAIServing:
     ) -> RequestStream:
         """All engine requests of this HTTP request, admitted in one message; choice index =
         prompt index * n + choice."""
-        expanded, params = [], []
+        expanded, params, config = [], [], self.config
         # a chat's thoughts are read apart (reasoning.py): a grammar waits until they end
         thinks = isinstance(body, ChatCompletionRequest) and self.config.reasoning_parser
         try:
             for prompt in prompts:
                 for choice in range(body.n):
                     expanded.append(prompt)
-                    sampling = body.sampling_params(len(prompt), self.config.max_model_len, choice)
+                    sampling = body.sampling_params(len(prompt), config.max_model_len, choice,
+                                                    config.sampling_defaults)  # fmt: skip
                     if thinks and sampling.structured_outputs is not None:
                         structured = replace(sampling.structured_outputs,
                                              reasoning=self.config.reasoning_parser)  # fmt: skip

@@ -325,7 +325,8 @@ def test_max_model_len_is_bounded_by_context_and_kv_cache(tiny_dir):
     assert core_info(engine).max_model_len == 16
 
 
-def test_serve_subcommand_answers_the_openai_client(tiny_dir):
+def test_serve_subcommand_answers_the_openai_client(tiny_dir, tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"repetition_penalty": 1.0}')  # neutral
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]  # free now; the server binds it right after
     command = [sys.executable, "-m", "phase8_serving", "serve", str(tiny_dir), "--port", str(port),
@@ -334,7 +335,7 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
                "--reasoning-parser", "qwen3", "--enable-server-load-tracking",
                "--enable-force-include-usage", "--root-path", "/llm", "--chat-template",
                TEMPLATE, "--trust-remote-code", "--enable-auto-tool-choice",
-               "--max-stored-responses", "0"]  # fmt: skip
+               "--max-stored-responses", "0", "--generation-config", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -376,3 +377,4 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir):
     assert "Maximum concurrency for 128 tokens per request: 3.00x" in log
     assert "POST /v1/chat/completions" not in log  # no access log without --enable-log-requests
     assert "KV cache:" in log  # the front end's line: tokens per core, cores
+    assert "generation config recommends" in log and "'repetition_penalty': 1.0" in log

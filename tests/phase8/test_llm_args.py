@@ -3,14 +3,17 @@ vLLM's arguments that mean nothing here at the value that asks for nothing; anyt
 clear error. `max_model_len` really caps requests, offline and in the server's engine core, and
 the KV cache's log lines use it."""
 
+import itertools
+import json
 import logging
 
 import pytest
 
-from phase8_serving import LLM, SamplingParams
+from phase8_serving import LLM, SamplingParams, TextPrompt, TokensPrompt
 from phase8_serving.cli import build_parser
 from phase8_serving.config import VLLM_UNSUPPORTED, EngineConfig, engine_config
 from phase8_serving.engine_core import core_info
+from phase8_serving.sampling_params import generation_defaults
 from phase8_serving.serve import core_spec
 
 CPU = dict(dtype="float32", device="cpu")
@@ -144,3 +147,62 @@ def test_chat_takes_vllms_chat_template_and_continue_final_message(tiny_dir):
         llm.chat(begun, greedy, chat_template=3)
     with pytest.raises(ValueError, match="exclude each other"):
         llm.chat(begun, greedy, continue_final_message=True)
+
+
+def test_vllms_prompt_dicts_and_cumulative_logprob(tiny_dir):
+    """`{"prompt": text}` and `{"prompt_token_ids": ids}` (vLLM's TextPrompt and TokensPrompt)
+    are the text and the ids; `cumulative_logprob` is the sum of every token's logprob so far,
+    in a whole output and in each streamed one (None without logprobs)."""
+    llm = LLM(tiny_dir, **CPU)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+    ids = llm.get_tokenizer().encode("Hi")
+    plain = llm.generate(["Hi", ids], greedy, use_tqdm=False)
+    as_dicts = [TextPrompt(prompt="Hi"), TokensPrompt(prompt_token_ids=ids)]
+    dicts = llm.generate(as_dicts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert (dicts[0].prompt, dicts[1].prompt) == ("Hi", None)
+    (single,) = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
+    assert single.prompt_token_ids == ids
+    whole = plain[0].outputs[0]
+    assert whole.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in whole.logprobs))
+    llm.add_request({"prompt": "Hi"}, greedy, request_id="streamed")
+    steps = [out.outputs[0] for _ in range(64) if llm.has_unfinished_requests()
+             for out in llm.step()]  # fmt: skip
+    totals = list(itertools.accumulate(lp.logprob for step in steps for lp in step.logprobs))
+    assert [s.cumulative_logprob for s in steps] == pytest.approx(totals[: len(steps)])
+    unasked = llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert unasked.cumulative_logprob is None
+    with pytest.raises(ValueError, match=r"one key.*\['multi_modal_data', 'prompt'\]"):
+        llm.generate({"prompt": "Hi", "multi_modal_data": {}}, greedy)
+    with pytest.raises(TypeError, match=r"prompts\[0\]\['prompt'\] must be a str"):
+        llm.generate([{"prompt": ids}], greedy)
+    with pytest.raises(TypeError, match=r"prompt\['prompt_token_ids'\] must be a list"):
+        llm.add_request({"prompt_token_ids": "Hi"}, greedy)
+    assert not llm.has_unfinished_requests()
+
+
+def test_the_generation_config_samples_what_a_call_leaves_unset(tiny_dir, tmp_path):
+    """generation_config="auto" (vLLM's default): a call without sampling_params samples as the
+    checkpoint's generation_config.json recommends; "vllm": SamplingParams(); a directory: its
+    file. A bad file fails before the load, naming itself."""
+    recommends = {"temperature": 0.0, "top_k": 20, "max_new_tokens": 3, "do_sample": True}
+    folder = tmp_path / "recommends"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps(recommends))
+    assert generation_defaults(tiny_dir) == {}  # transformers wrote it without sampling keys
+    assert generation_defaults(folder, "auto") == {"temperature": 0.0, "top_k": 20, "max_tokens": 3}
+    llm = LLM(tiny_dir, generation_config=str(folder), **CPU)
+    expected = SamplingParams(temperature=0.0, top_k=20, max_tokens=3)
+    assert llm.get_default_sampling_params() == expected
+    (by_default,) = llm.generate("Hi", use_tqdm=False)
+    (explicit,) = llm.generate("Hi", expected, use_tqdm=False)
+    assert by_default.outputs[0].token_ids == explicit.outputs[0].token_ids
+    (chat,) = llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    assert len(chat.outputs[0].token_ids) <= 3
+    assert LLM(tiny_dir, generation_config="vllm", **CPU).get_default_sampling_params() == (
+        SamplingParams())  # fmt: skip
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    with pytest.raises(ValueError, match=r"recommends/generation_config.json: .*temperature"):
+        LLM(tiny_dir, generation_config=str(folder), **CPU)
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        LLM(tiny_dir, generation_config=str(tmp_path), **CPU)

@@ -825,3 +825,29 @@ def test_finished_request_stats_are_vllms_intervals():
         0.5, 0.75, 1.75, 2.5,
     )  # fmt: skip
     assert build_1_2_5_buckets(128) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_the_generation_config_fills_what_a_request_leaves_unset(live_server, monkeypatch):
+    """`serve --generation-config auto` (vLLM's default): the model's recommended sampling is
+    used for the fields a request does not send, on every generation endpoint; what it sends
+    wins. A completion's max_tokens is OpenAI's 16 when unset, as in vLLM."""
+    defaults = {"temperature": 0.0, "top_k": 20, "max_tokens": 3}
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, sampling_defaults=defaults)
+    sent, add = [], live_server.llm.add_requests
+
+    async def spy(request_id, prompts, params):
+        sent.extend(params)
+        return await add(request_id, prompts, params)
+
+    monkeypatch.setattr(live_server.llm, "add_requests", spy)
+    url = live_server.host.serve(build_app(live_server.llm, config))
+    bodies = [("/v1/chat/completions", {"messages": MESSAGES}),
+              ("/v1/chat/completions", {"messages": MESSAGES, "temperature": 0.5, "top_k": -1,
+                                        "max_tokens": 5}),
+              ("/v1/completions", {"prompt": "Hi"}),
+              ("/v1/responses", {"input": "Hi"})]  # fmt: skip
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for route, body in bodies:
+            assert http.post(route, json=body).status_code == 200
+    assert [(p.temperature, p.top_k, p.max_tokens) for p in sent] == [
+        (0.0, 20, 3), (0.5, None, 5), (0.0, 20, 16), (0.0, 20, 3)]  # fmt: skip
