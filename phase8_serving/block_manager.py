@@ -187,6 +187,16 @@ class BlockManager:
         del self.num_cached_blocks[seq.seq_id]
         del self.num_slots_used[seq.seq_id]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (vLLM's: a benchmark's cold start, or weights changed
+        under the cache). Only while no sequence holds a block: False, changing nothing, if one
+        does."""
+        if self.num_free_blocks != len(self.blocks):
+            return False
+        for block_id in list(self.hash_to_block.values()):
+            self._evict(block_id)
+        return True  # the hit statistics are counters (metrics.py): they go on
+
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(self.block_tables[seq.seq_id]) <= len(self.free_cpu_blocks)
 

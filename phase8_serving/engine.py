@@ -601,6 +601,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forgets the prefix cache, so the next prompts compute every token (a
+        benchmark's cold start). False, changing nothing, while requests hold KV blocks."""
+        return self.engine.block_manager.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what `generate` and `chat` sample with when given no `sampling_params`."""
         return SamplingParams(**self.sampling_defaults)

@@ -17,20 +17,48 @@ hidden states of the prompt positions before it, in the step that computes them
 would otherwise make (16k, V) logits, 10 GB at Qwen3's vocabulary).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
+class Logprob(NamedTuple):
+    """vLLM's entry for one token at one position."""
+
+    logprob: float
+    rank: int | None = None  # 1: the most likely token
+    decoded_token: str | None = None  # not filled here: the tokenizer decodes the id
+
+
 @dataclass(frozen=True)
-class TokenLogprobs:
-    """One sampled position: the chosen token's log-probability and the most likely tokens'."""
+class TokenLogprobs(Mapping):
+    """One sampled position: the chosen token's log-probability and the most likely tokens'.
+
+    It also reads as vLLM's `dict[int, Logprob]` for the position (`position[token_id].logprob`,
+    the chosen token first, then the others most likely first), so code written against vLLM's
+    `CompletionOutput.logprobs` runs on it."""
 
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
     rank: int | None = None  # 1: the most likely token; computed for prompt tokens only
+
+    def _entries(self) -> dict[int, Logprob]:
+        entries = {t: Logprob(v, i) for i, (t, v) in enumerate(self.top_logprobs, start=1)}
+        chosen_rank = self.rank if self.rank is not None else getattr(
+            entries.get(self.token_id), "rank", None)  # fmt: skip
+        return {self.token_id: Logprob(self.logprob, chosen_rank), **entries}
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass

@@ -206,3 +206,28 @@ def test_the_generation_config_samples_what_a_call_leaves_unset(tiny_dir, tmp_pa
         LLM(tiny_dir, generation_config=str(folder), **CPU)
     with pytest.raises(ValueError, match="no generation_config.json"):
         LLM(tiny_dir, generation_config=str(tmp_path), **CPU)
+
+
+def test_vllms_logprob_dicts_and_reset_prefix_cache(tiny_dir):
+    """A position's logprobs read as vLLM's `dict[int, Logprob]` (the chosen token first), and
+    `reset_prefix_cache` makes the same prompt compute every token again, but only when no
+    request holds a block."""
+    llm = LLM(tiny_dir, **CPU)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)
+    prompt = [72 + i % 40 for i in range(40)]  # 5 blocks of 8
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    position = first.outputs[0].logprobs[0]
+    token = first.outputs[0].token_ids[0]
+    assert next(iter(position)) == token and position[token].logprob == position.logprob
+    top, _ = position.top_logprobs
+    assert position[top[0]].rank == 1 and len(position) == len(dict(position)) >= 2
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    llm.add_request(prompt, params, request_id="holds")
+    llm.step()  # its blocks are held now
+    assert llm.reset_prefix_cache() is False
+    llm.abort_request("holds")
+    assert llm.reset_prefix_cache() is True
+    cold = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == first.outputs[0].token_ids
