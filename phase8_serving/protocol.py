@@ -25,6 +25,7 @@ values (`function_call: "none"`, `best_of: n`, ...), else a 400 saying so.
 """
 
 import abc
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -84,7 +85,7 @@ def unsupported(detail: str = "") -> PydanticCustomError:
     """The error for a field this server knows but does not implement: a 400 whose message starts
     with the field's name (api_server.py adds it)."""
     message = "not supported by this server" + (f" ({detail})" if detail else "")
-    return PydanticCustomError("unsupported", message.replace("{", "{{").replace("}", "}}"))
+    return PydanticCustomError("unsupported", message)  # no context: braces stay as they are
 
 
 class InvalidRequest(ValueError):
@@ -534,6 +535,21 @@ class ChatMessage(BaseModel):
         return message
 
 
+# chat fields of OpenAI's this server has no part in -> (the values that ask for nothing, why)
+CHAT_NEUTRAL = {
+    "store": ((None, False), "no completion is stored for later retrieval"),
+    "service_tier": ((None, "auto", "default"), "there is one tier"),
+    "prompt_cache_retention": ((None, "in-memory"), "the prefix cache lives in GPU memory"),
+    "verbosity": ((None, "medium"), "nothing here makes a reply terser or longer"),
+    "modalities": ((None, ["text"]), "the reply is text"),
+    "reasoning_effort": ((None,), "Qwen3 thinks or not by chat_template_kwargs' "
+                                  "enable_thinking, not by an effort level"),
+    "audio": ((None,), "the reply is text"),
+    "prediction": ((None,), "there are no predicted outputs here"),
+    "web_search_options": ((None,), "there is no web search here"),
+}  # fmt: skip
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -555,6 +571,28 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None  # only "none"
     parallel_tool_calls: bool | None = None  # false: `required` makes one call (auto: the model's)
+    # tags and routing hints that change nothing here, as `user`
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None  # the prefix cache needs no hint
+    safety_identifier: str | None = None
+    # OpenAI's asks this server has no part in: accepted at what asks for nothing (CHAT_NEUTRAL)
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_retention: Any = None
+    verbosity: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator(*CHAT_NEUTRAL, mode="before")
+    @classmethod
+    def _asks_for_nothing(cls, value, info):
+        allowed, why = CHAT_NEUTRAL[info.field_name]
+        if value not in allowed:
+            raise unsupported(f"{why}; only {' or '.join(json.dumps(v) for v in allowed)}")
+        return value
 
     @field_validator("functions")
     @classmethod

@@ -287,9 +287,10 @@ def test_a_snapshot_descheduled_midway_costs_only_its_cpu_time(tiny_dir, offline
     core._handle(WatchEngine(True))
     now = time.monotonic()
     snapshot = core._snapshot(now)
-    assert snapshot["cost_s"] < 0.05
+    assert snapshot["cost_s"] < 0.025  # not the 50 ms asleep (a garbage collection may count)
     core._handle(AbortRequests([]))
-    assert core._snapshot(now + 2 * spec.snapshot_interval_s) is not None
+    due = now + max(spec.snapshot_interval_s, snapshot["cost_s"] / MAX_SNAPSHOT_DUTY)  # < 10 s
+    assert core._snapshot(due) is not None
 
 
 def test_disable_dashboard(dashboard_server):

@@ -651,7 +651,13 @@ BAD = {  # endpoint, extra body, the param the error names
     "best_of < n": ("completions", {"best_of": 1, "n": 2}, "best_of"),
     "an unknown field": ("completions", {"guided_whitespace_pattern": " "},
                          "guided_whitespace_pattern"),
-    "an unknown chat field": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
+    "an unknown chat field": ("chat", {"logprobs_mode": "raw"}, "logprobs_mode"),
+    "reasoning_effort": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
+    "store true": ("chat", {"store": True}, "store"),
+    "service_tier flex": ("chat", {"service_tier": "flex"}, "service_tier"),
+    "audio output": ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    "predicted outputs": ("chat", {"prediction": {"type": "content", "content": "x"}},
+                          "prediction"),
     "a message without a role": ("chat", {"messages": [{"content": "x"}]}, "messages"),
     "an image part": ("chat", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
@@ -717,7 +723,11 @@ def test_a_400_names_every_invalid_field_and_no_json_offset_as_one(http):
 def test_do_nothing_values_of_unsupported_fields_are_accepted(http):
     plain = chat(http)["choices"][0]["message"]["content"]
     accepted = chat(http, tools=[], tool_choice="none", response_format={"type": "text"},
-                    parallel_tool_calls=False, function_call="none")  # fmt: skip
+                    parallel_tool_calls=False, function_call="none", store=False,
+                    service_tier="auto", metadata={"run": "7"}, prompt_cache_key="k",
+                    prompt_cache_retention="in-memory", safety_identifier="u1",
+                    verbosity="medium", modalities=["text"], reasoning_effort=None, audio=None,
+                    prediction=None, web_search_options=None)  # fmt: skip
     assert accepted["choices"][0]["message"]["content"] == plain
     tool_reply = {"role": "tool", "content": "42", "tool_call_id": "call_1"}  # to the template
     assert chat(http, messages=[*MESSAGES, tool_reply])["usage"]["completion_tokens"] == 6
