@@ -17,9 +17,11 @@ protocol.py's models), GET /dashboard (dashboard.py: the engine, live in a brows
 SageMaker's GET or POST /ping (/health) and POST /invocations (a chat or completions body, told
 apart by `messages`).
 
-Nothing one client sends stalls the others: a body over `max_request_body_bytes` is a 413 before
-it is read whole (plain ASGI middleware, as is the API key's: neither puts a task between a
-stream and its client); the rest is serving_engine.py's.
+A web page on another origin may call the API from a browser (CORS, vLLM's defaults: any origin,
+method and header; `allowed_origins` narrows it). Nothing one client sends stalls the others: a
+body over `max_request_body_bytes` is a 413 before it is read whole (plain ASGI middleware, as
+are the API key's and CORS': none puts a task between a stream and its client); the rest is
+serving_engine.py's.
 
 Invariant: anything a client can send gets a 2xx or a 4xx in the OpenAI error shape, never a
 5xx: bad bodies 400 (not FastAPI's 422), a lone surrogate anywhere 400, an unknown model 404, a
@@ -35,6 +37,7 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -170,6 +173,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     if config.enable_dashboard:
         add_dashboard(app, llm, config.model_name)
+    if config.allowed_origins:
+        # outermost (added last): a browser's preflight carries no API key, and an error's
+        # response needs the CORS headers too, or the page cannot read it
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods),
+                           allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)  # fmt: skip
     return app
 
 

@@ -331,6 +331,11 @@ class ServerConfig:
     chat_template: str | None = None  # a template for every chat, instead of the checkpoint's
     # the newest stored /v1/responses kept (serving_responses.py); 0: none is stored
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    # CORS (vLLM's defaults): which other origins' pages may call the API from a browser
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     # what a request leaves unset, sampled as the model's generation config recommends
     # (sampling_params.generation_defaults; `serve --generation-config`, vLLM's flag)
     sampling_defaults: dict[str, typing.Any] = dataclasses.field(default_factory=dict)
@@ -346,5 +351,9 @@ class ServerConfig:
         for name in ("max_request_body_bytes", "max_choices_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple | list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")

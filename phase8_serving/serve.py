@@ -17,6 +17,7 @@ The server's modules (uvicorn, FastAPI, the engine) are imported by the handlers
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -53,6 +54,15 @@ def add_serve_parser(subparsers) -> None:
                    help="require 'Authorization: Bearer <key>' (default: $VLLM_API_KEY, "
                         "if set)")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the name clients use as model")
+    for what in ("origins", "methods", "headers"):
+        p.add_argument(f"--allowed-{what}", type=json_list, default=["*"],
+                       help=f"CORS: the {what} a browser page on another origin may use, as a "
+                            f'JSON list (default ["*"]; vLLM\'s flag)')  # fmt: skip
+    p.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: a browser may send cookies and credentials (vLLM's flag)",
+    )
     p.add_argument("--shutdown-timeout", type=seconds, default=0.0,
                    help="seconds in-flight requests may run after SIGTERM before they are "
                    "aborted (0: at once)")  # fmt: skip
@@ -177,6 +187,10 @@ def serve(args: argparse.Namespace) -> None:
             enable_force_include_usage=args.enable_force_include_usage,
             root_path=args.root_path, chat_template=args.chat_template,
             sampling_defaults=sampling_defaults,
+            allowed_origins=tuple(args.allowed_origins),
+            allowed_methods=tuple(args.allowed_methods),
+            allowed_headers=tuple(args.allowed_headers),
+            allow_credentials=args.allow_credentials,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)
@@ -207,6 +221,17 @@ def uvicorn_config(app, args: argparse.Namespace):
         loop="auto", http="auto",
         timeout_graceful_shutdown=max(args.shutdown_timeout, SHUTDOWN_TICK_S),
     )  # fmt: skip
+
+
+def json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's spelling: --allowed-origins '["https://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings, got {text!r}")
+    return value
 
 
 def api_key(flag: str | None) -> str | None:

@@ -108,6 +108,10 @@ def test_a_vllm_command_line_runs_and_what_it_cannot_have_is_refused(tiny_dir):
         parse(["serve", "--tool-call-parser", "mistral"])
     with pytest.raises(SystemExit):  # before the model loads
         parse(["serve", "--root-path", "llm/"])
+    origins = parse(["serve", "--allowed-origins", '["https://ui.example"]']).allowed_origins
+    assert origins == ["https://ui.example"] and parse(["serve"]).allowed_methods == ["*"]
+    with pytest.raises(SystemExit):  # vLLM's spelling is a JSON list
+        parse(["serve", "--allowed-origins", "https://ui.example"])
 
 
 def test_serve_seed_seeds_each_engine_core(tiny_dir):
@@ -335,7 +339,8 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir, tmp_path):
                "--reasoning-parser", "qwen3", "--enable-server-load-tracking",
                "--enable-force-include-usage", "--root-path", "/llm", "--chat-template",
                TEMPLATE, "--trust-remote-code", "--enable-auto-tool-choice",
-               "--max-stored-responses", "0", "--generation-config", str(tmp_path)]  # fmt: skip
+               "--max-stored-responses", "0", "--generation-config", str(tmp_path),
+               "--allowed-origins", '["https://ui.example"]']  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -361,6 +366,9 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir, tmp_path):
         )
         assert len(message.reasoning_content) == 2 and len(message.content) == 2  # so did this
         assert set(httpx.get(url + "/load").json()) == {"server_load"}  # and this
+        page = {"origin": "https://ui.example"}  # --allowed-origins
+        cors = httpx.get(url + "/v1/models", headers=page).headers["access-control-allow-origin"]
+        assert cors == "https://ui.example"
         for prefix in ("", "/llm"):  # --root-path: behind a proxy's prefix, and without it
             assert httpx.get(f"{url}{prefix}/v1/models").json()["data"][0]["id"] == "tiny"
         ids = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})

@@ -161,6 +161,41 @@ async def _stream_one(client: httpx.AsyncClient, i: int) -> tuple[str, str | Non
     return text, reason, done
 
 
+def test_a_browser_page_on_another_origin_may_call_the_api(live_server):
+    """CORS, vLLM's defaults: a preflight needs no API key; answers, streams and errors (a 401)
+    carry the allow header, so the page can read them; `allowed_origins` narrows who may, and
+    none turns CORS off."""
+    page, body = {"origin": "https://ui.example"}, {"prompt": "hi", "max_tokens": 2}
+    asks = {"access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"}  # fmt: skip
+    keyed = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, api_key="sekret")
+    url = live_server.host.serve(build_app(live_server.llm, keyed))
+    preflight = httpx.options(url + "/v1/chat/completions", headers={**page, **asks})
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    denied = httpx.post(url + "/v1/completions", json=body, headers=page)
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+    allowed = {**page, "authorization": "Bearer sekret"}
+    streamed = {**body, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=streamed, headers=allowed) as r:
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert r.read().endswith(b"data: [DONE]\n\n")
+    narrow = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, allowed_origins=("https://ui.example",))
+    url = live_server.host.serve(build_app(live_server.llm, narrow))
+    other = {"origin": "https://elsewhere.example"}
+    assert httpx.options(url + "/v1/completions", headers={**other, **asks}).status_code == 400
+    answer = httpx.post(url + "/v1/completions", json=body, headers=other)
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+    answer = httpx.post(url + "/v1/completions", json=body, headers=page)
+    assert answer.headers["access-control-allow-origin"] == "https://ui.example"
+    off = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, allowed_origins=())
+    url = live_server.host.serve(build_app(live_server.llm, off))
+    assert httpx.options(url + "/v1/completions", headers={**page, **asks}).status_code == 405
+    with pytest.raises(ValueError, match="allowed_origins must be a list of strings"):
+        ServerConfig(MODEL_NAME, MAX_MODEL_LEN, allowed_origins="*")
+
+
 def test_64_concurrent_streaming_clients_all_complete(live_server):
     async def main():
         limits = httpx.Limits(max_connections=NUM_CONCURRENT_CLIENTS)
