@@ -28,6 +28,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
+from .config import check_priority
 from .core_client import EngineCoreClient, EngineDeadError
 from .core_messages import (
     AbortRequests,
@@ -177,14 +178,17 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     async def add_requests(
-        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
-    ) -> RequestStream:
-        """Sends one engine request per (prompt, params), all to one core in one message.
+        self, request_id: str, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+        priority: int = 0,
+    ) -> RequestStream:  # fmt: skip
+        """Sends one engine request per (prompt, params), all to one core in one message, all of
+        `priority` (lower first, under scheduling_policy "priority").
 
         Raises ValueError (nothing sent) if a prompt breaks the engine's limits, and
         EngineDeadError if an engine core has died.
         """
         self._start()
+        check_priority(priority, self.info.scheduling_policy)
         for prompt, p in zip(prompts, params, strict=True):
             check_prompt(self.info, prompt, p)
             p.check_allowed_tokens(self.tokenizer.eos_token_ids)
@@ -205,7 +209,7 @@ class AsyncLLM:
             )  # fmt: skip
             core.num_requests += 1
             core.num_tokens += len(prompt) + p.max_tokens
-            requests.append(EngineCoreRequest(engine_id, prompt, p, request_id))  # one group
+            requests.append(EngineCoreRequest(engine_id, prompt, p, request_id, priority))
         self.client.add(core, requests)
         return RequestStream(self, ids, collector)
 

@@ -71,6 +71,13 @@ class PreemptionMode(enum.Enum):
     SWAP = "swap"  # copied to a CPU pool of `num_cpu_kv_blocks` blocks, and back when room returns
 
 
+class SchedulingPolicy(enum.Enum):
+    """Which waiting request goes first (vLLM's `scheduling_policy`; scheduler.py)."""
+
+    FCFS = "fcfs"  # first come, first served (fairly shared across requests)
+    PRIORITY = "priority"  # each request's `priority`, lower first; first come among equals
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernels the model's CUDA path runs. The torch path (CPU) is the definition; every
@@ -135,6 +142,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE  # a str is converted
     num_cpu_kv_blocks: int = 0  # the CPU pool swapped-out blocks wait in (swap mode)
+    scheduling_policy: SchedulingPolicy | str = SchedulingPolicy.FCFS  # a str is converted
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly (vLLM's name)
     # Decode graphs of at most this many rows capture the LM head too; larger ones end at the
     # hidden states and the LM head runs after the replay (cuda_graph.py says why). 0: never.
@@ -200,6 +208,11 @@ class EngineConfig:
                 f"EngineConfig.preemption_mode must be one of {modes}, got {self.preemption_mode!r}"
             )
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        policies = [p.value for p in SchedulingPolicy]
+        if self.scheduling_policy not in policies + list(SchedulingPolicy):
+            raise ValueError(f"EngineConfig.scheduling_policy must be one of {policies}, "
+                             f"got {self.scheduling_policy!r}")  # fmt: skip
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         if self.preemption_mode == PreemptionMode.SWAP and self.num_cpu_kv_blocks < 1:
             raise ValueError("EngineConfig.num_cpu_kv_blocks must be >= 1 to swap")
         if self.preemption_mode == PreemptionMode.SWAP and self.tensor_parallel_size > 1:
@@ -228,6 +241,17 @@ class EngineConfig:
                 f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                 f"got {self.kv_cache_dtype!r}"
             )
+
+
+def check_priority(priority: object, policy: SchedulingPolicy | str) -> None:
+    """A request's priority: an int, other than 0 only under scheduling_policy "priority"."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {priority!r}")
+    if priority != 0 and SchedulingPolicy(policy) != SchedulingPolicy.PRIORITY:
+        raise ValueError(
+            f"priority {priority} needs scheduling_policy 'priority' (--scheduling-policy "
+            "priority); under 'fcfs' every request's priority is 0"
+        )
 
 
 def check_gpu_memory_utilization(value: object) -> None:

@@ -49,6 +49,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     params: SamplingParams
     group_id: str | None = None  # the client request it is a choice of (the scheduler's fairness)
+    priority: int = 0  # lower first, under scheduling_policy "priority"
 
 
 class Hello(Message):
@@ -99,6 +100,7 @@ class CoreInfo(Message):
     num_cpu_kv_blocks: int
     enable_prefix_caching: bool
     tensor_parallel_size: int = 1  # prompt_logprobs needs 1
+    scheduling_policy: str = "fcfs"  # "priority": requests' priorities count
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -87,7 +87,7 @@ from tqdm.auto import tqdm
 
 from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .block_manager import BlockManager
-from .config import EngineConfig, engine_config
+from .config import EngineConfig, check_priority, engine_config
 from .core_messages import EngineCoreOutput
 from .default_model import default_model_dir
 from .distributed import TensorParallel
@@ -313,11 +313,14 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Queues one request; raises (changing nothing) if it is malformed or can never run.
         `group_id`: the client request it is one choice of, shared by all of them (the scheduler
-        is fair across groups, not sequences); None: a group of its own."""
+        is fair across groups, not sequences); None: a group of its own. `priority` (vLLM's):
+        lower runs first, under scheduling_policy "priority"; 0 otherwise."""
         prompt = as_prompt("prompt", prompt)
+        check_priority(priority, self.config.scheduling_policy)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_optional("request_id", request_id, str)
@@ -340,7 +343,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.prompt_logprobs is not None and self.model.tp.size > 1:
             raise ValueError(PROMPT_LOGPROBS_NEED_ONE_RANK)
-        seq = Sequence(seq_id, request_id, prompt_ids, params, group_id)
+        seq = Sequence(seq_id, request_id, prompt_ids, params, group_id, priority)
         seq.bad_words_token_ids = bad_words
         self.requests[request_id] = request = Request(seq)
         if params.prompt_logprobs is not None:
@@ -654,8 +657,10 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of `prompts`.
+        `priority` (vLLM's): one per prompt, lower first, under scheduling_policy "priority".
 
         All or nothing: if anything raises (a bad prompt, a model error, Ctrl-C), every request
         of this call is aborted before the error propagates, so none runs later by surprise.
@@ -663,10 +668,15 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         prompts, params = check_batch(prompts, sampling_params)
+        if priority is None:
+            priority = [0] * len(prompts)
+        if not isinstance(priority, list | tuple) or len(priority) != len(prompts):
+            raise ValueError(f"priority must be a list of one int per prompt ({len(prompts)})")
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params, strict=True):
-                ids.append(self.add_request(p, sp, output_kind=RequestOutputKind.FINAL_ONLY))
+            for p, sp, rank in zip(prompts, params, priority, strict=True):
+                ids.append(self.add_request(p, sp, output_kind=RequestOutputKind.FINAL_ONLY,
+                                            priority=rank))  # fmt: skip
             done: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
                 while self.has_unfinished_requests():
@@ -715,17 +725,20 @@ class LLM:
         params: SamplingParams,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        priority: int = 0,
     ) -> str:
         """Queues one request; raises (changing nothing) if it is malformed or can never run.
         With `params.n` > 1 it queues n, choice i seeded `seed + i` (vLLM's rule), whose outputs
-        come back under one request id, each completion with its `index`."""
+        come back under one request id, each completion with its `index`. `priority`: lower runs
+        first, under scheduling_policy "priority" (vLLM's)."""
         prompt = as_prompt("prompt", prompt)
+        check_priority(priority, self.engine.config.scheduling_policy)
         check_optional("output_kind", output_kind, RequestOutputKind)
         check_optional("request_id", request_id, str)
         if request_id in self.parents or (request_id is not None and request_id in self.requests):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams) or params.n == 1:
-            return self._add_one(prompt, params, request_id, output_kind)
+            return self._add_one(prompt, params, request_id, output_kind, priority=priority)
         if request_id is None:
             request_id = f"parent-{next(self._parent_ids)}"
         parent = ParentRequest(request_id, [], params.n)
@@ -734,7 +747,7 @@ class LLM:
                 seed = None if params.seed is None else (params.seed + i) % SEED_LIMIT
                 child = replace(params, n=1, seed=seed)
                 child_id = self._add_one(prompt, child, f"{i}_{request_id}", output_kind,
-                                         request_id, parent, i)  # fmt: skip
+                                         request_id, parent, i, priority)  # fmt: skip
                 parent.child_ids.append(child_id)
         except BaseException:
             for child_id in parent.child_ids:
@@ -752,8 +765,9 @@ class LLM:
         group_id: str | None = None,
         parent: ParentRequest | None = None,
         index: int = 0,
+        priority: int = 0,
     ) -> str:
-        request_id = self.engine.add_request(prompt, params, request_id, group_id)
+        request_id = self.engine.add_request(prompt, params, request_id, group_id, priority)
         request = self.engine.requests[request_id]
         prompt_ids = request.seq.prompt_token_ids
         state = RequestState.start(request_id, 0, RequestOutputCollector(), self.engine.tokenizer,

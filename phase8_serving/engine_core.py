@@ -201,7 +201,7 @@ class EngineCore:
         for r in requests:
             try:
                 self.engine.add_request(
-                    r.prompt_token_ids, r.params, r.request_id, group_id=r.group_id
+                    r.prompt_token_ids, r.params, r.request_id, r.group_id, r.priority
                 )
             except ValueError as e:  # the front end checks first; this is the last line
                 rejected.append(EngineCoreOutput(r.request_id, [], None, "error", str(e)))
@@ -309,6 +309,7 @@ def core_info(engine: LLMEngine) -> CoreInfo:
         num_cpu_kv_blocks=config.num_cpu_kv_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
         tensor_parallel_size=engine.model.tp.size,
+        scheduling_policy=config.scheduling_policy.value,
     )
 
 

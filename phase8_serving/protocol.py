@@ -197,6 +197,8 @@ class SamplingRequest(BaseModel):
     use_beam_search: bool = False
     # beam search's score: logprob sum / length ** length_penalty
     length_penalty: float = Field(1.0, ge=-MAX_ABS_LENGTH_PENALTY, le=MAX_ABS_LENGTH_PENALTY)
+    # vLLM's: lower runs first, under --scheduling-policy priority (0 otherwise)
+    priority: int = Field(0, ge=MIN_SEED, le=MAX_SEED)
 
     @field_validator("bad_words")
     @classmethod
@@ -934,6 +936,7 @@ class ResponsesRequest(BaseModel):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: NonEmptyStr | StopList | None = None
     chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
+    priority: int = Field(0, ge=MIN_SEED, le=MAX_SEED)
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -1022,6 +1025,7 @@ class ResponsesRequest(BaseModel):
                 "frequency_penalty",
                 "stop",
                 "chat_template_kwargs",
+                "priority",
             )  # fmt: skip
             if (value := getattr(self, name)) is not None
         }

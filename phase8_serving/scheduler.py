@@ -47,6 +47,16 @@ With one sequence per request (workload W, offline `generate`) every rule is pha
 is admission order, the head of the queue is the least served, nobody is preempted for fairness,
 and the swapped-out go first.
 
+Priority (vLLM's `scheduling_policy="priority"`; a request's `priority`, lower first): the same
+four rules with the priority in front of the share. `running` is ordered by priority, then
+fairly; `waiting` and `swapped` are kept in priority order (a newcomer behind its equals, a
+preempted one before them); admission takes the least served of the best priority waiting; and a
+waiting sequence kept out by the cap or the cache makes the last running one give way if its
+priority is better (as vLLM's did), or equal and its request served two less. So an interactive
+request of priority 0 overtakes a batch job of priority 1, and the job's sequences, last in
+`running`, are the ones preempted when memory runs out. Under "fcfs" every priority is 0 and
+nothing changes.
+
 Since phase 4: KV room is counted in blocks (block_manager.py). On admission the longest cached
 prefix of the sequence's tokens is mapped from the prefix cache and counted as computed, so only
 the rest is scheduled; a preempted sequence often finds its own old blocks still cached.
@@ -60,6 +70,7 @@ done, then `free_finished_in_flight` returns them.
 
 Invariants (check_invariants): every running sequence has a block table, so does every finished
 sequence whose last step still runs, and no other sequence has one; running <= max_num_seqs;
+`waiting` and `swapped` are in priority order;
 waiting sequences have num_computed_tokens == 0; swapped sequences hold CPU blocks for exactly
 their computed tokens, and no other sequence holds any; between steps only running sequences
 have placeholders, at most one each; `num_running` counts each request's running sequences.
@@ -69,7 +80,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .config import EngineConfig, PreemptionMode
+from .config import EngineConfig, PreemptionMode, SchedulingPolicy
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -96,9 +107,27 @@ class Scheduler:
         self.num_running: Counter[str] = Counter()  # group_id -> its running sequences (> 0)
         self.swapped: deque[Sequence] = deque()  # preempted with their blocks on the CPU
         self.finished_in_flight: list[Sequence] = []  # finished, but a running step writes them
+        self.prioritized = config.scheduling_policy == SchedulingPolicy.PRIORITY
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq, front=False)
+
+    def _enqueue(self, queue: deque[Sequence], seq: Sequence, front: bool) -> None:
+        """Into `waiting` or `swapped`, kept in priority order (lower first): at the back of its
+        priority's sequences, or at their front (a preempted one was admitted before them). All
+        priorities are 0 unless the policy is "priority": then the back or the front of all."""
+        if not self.prioritized:
+            queue.appendleft(seq) if front else queue.append(seq)
+            return
+        for i, other in enumerate(queue):
+            if other.priority > seq.priority or (front and other.priority == seq.priority):
+                queue.insert(i, seq)
+                return
+        queue.append(seq)
+
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        """Who goes first: the better priority, then the request that runs fewer sequences."""
+        return seq.priority, self.num_running[seq.group_id]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -121,40 +150,48 @@ class Scheduler:
         go first)."""
         if not self.waiting:
             return False
-        least_served = self._least_served_waiting().group_id
-        return self.num_running[least_served] < self.num_running[self.swapped[0].group_id]
+        return self._key(self._least_served_waiting()) < self._key(self.swapped[0])
 
     def _order_fairly(self) -> None:
-        """Puts `running` in fair order: round robin over requests, each request's sequences in
-        the order they run now. With one sequence per request that order is left as it is."""
-        if len(self.num_running) == len(self.running):
+        """Puts `running` in fair order: by priority (all 0 unless the policy is "priority"),
+        then round robin over requests, each request's sequences in the order they run now.
+        With one sequence per request and no priorities that order is left as it is."""
+        if len(self.num_running) == len(self.running) and not self.prioritized:
             return
         seen: Counter[str] = Counter()
-        rounds = []
+        keys = []
         for seq in self.running:
-            rounds.append(seen[seq.group_id])  # how many of its request's sequences come before
+            # how many of its request's sequences come before it: its round
+            keys.append((seq.priority, seen[seq.group_id]))
             seen[seq.group_id] += 1
-        order = sorted(range(len(self.running)), key=rounds.__getitem__)  # stable within a round
+        order = sorted(range(len(self.running)), key=keys.__getitem__)  # stable within a round
         self.running = [self.running[i] for i in order]
 
     def _least_served_waiting(self) -> Sequence:
-        """The first waiting sequence among those whose request runs the fewest sequences."""
-        best, best_share = self.waiting[0], self.num_running[self.waiting[0].group_id]
+        """The first waiting sequence among those of the best priority whose request runs the
+        fewest sequences (`waiting` is in priority order: the first is of the best)."""
+        best = self.waiting[0]
+        best_priority, best_share = self._key(best)
         for seq in self.waiting:
-            if best_share == 0:
-                break  # nobody is served less
+            if best_share == 0 or seq.priority != best_priority:
+                break  # nobody is served less, or the rest are of a worse priority
             share = self.num_running[seq.group_id]
             if share < best_share:
                 best, best_share = seq, share
         return best
 
     def _make_room_for_the_least_served(self, out: SchedulerOutput) -> None:
-        """Fair share: while the running cap or the KV cache keeps out the sequence admission
-        would take, and its request runs at least two sequences fewer than the request of the
-        last running sequence, that one gives way (preempted as for memory)."""
+        """Fair share and priority: while the running cap or the KV cache keeps out the sequence
+        admission would take, and it is of a better priority than the last running sequence, or
+        of the same and its request runs at least two sequences fewer, that one gives way
+        (preempted as for memory)."""
         while self.waiting and self.running:
             seq, last = self._least_served_waiting(), self.running[-1]
-            if self.num_running[seq.group_id] + 1 >= self.num_running[last.group_id]:
+            if seq.priority > last.priority:
+                return  # the last one runs first
+            if seq.priority == last.priority and (
+                self.num_running[seq.group_id] + 1 >= self.num_running[last.group_id]
+            ):
                 return  # giving way would not make the shares more even
             if len(self.running) < self.config.max_num_seqs and self._can_admit(seq):
                 return
@@ -262,12 +299,12 @@ class Scheduler:
         if swap and self.block_manager.can_swap_out(seq):
             out.blocks_to_swap_out += self.block_manager.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(seq)
+            self._enqueue(self.swapped, seq, front=True)
             return
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0  # recompute: its keys/values are gone
-        self.waiting.appendleft(seq)
+        self._enqueue(self.waiting, seq, front=True)
 
     def finish(self, seq: Sequence, reason: FinishReason, in_flight: bool = False) -> None:
         """Takes a sequence out of the engine (stopped, length reached or aborted). `in_flight`:
@@ -311,6 +348,9 @@ class Scheduler:
         for seq in self.waiting:
             assert seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0
             assert seq.num_output_placeholders == 0
+        for queue in (self.waiting, self.swapped):  # in priority order
+            priorities = [seq.priority for seq in queue]
+            assert priorities == sorted(priorities)
         assert set(self.block_manager.cpu_block_tables) == {s.seq_id for s in self.swapped}
         for seq in self.swapped:
             assert seq.status == SequenceStatus.SWAPPED and seq.num_output_placeholders == 0

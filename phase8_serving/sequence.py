@@ -48,10 +48,12 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         group_id: str | None = None,
+        priority: int = 0,
     ):
         self.seq_id = seq_id
         self.request_id = request_id
         self.group_id = request_id if group_id is None else group_id  # None: a group of its own
+        self.priority = priority  # lower runs first, under scheduling_policy "priority" (vLLM's)
         self.params = params
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -47,7 +47,7 @@ from .async_engine import (
     check_prompt,
 )
 from .beam_search import BeamSearch, BeamSearchParams
-from .config import ServerConfig
+from .config import ServerConfig, check_priority
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -123,9 +123,17 @@ class OpenAIServing:
                 f"The model `{model}` does not exist.", "model", 404, "model_not_found"
             )
 
+    def check_priority(self, priority: int) -> None:
+        """Before any tokenizing: a priority other than 0 needs --scheduling-policy priority."""
+        try:
+            check_priority(priority, self.llm.info.scheduling_policy)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "priority") from None
+
     async def serve(self, body: SamplingRequest, request: Request) -> Response:
         check_no_lone_surrogate(body)  # before anything quotes the client's text back
         self.check_model(body.model)
+        self.check_priority(body.priority)
         chat = isinstance(body, ChatCompletionRequest)
         num_choices = body.n * (1 if chat else len(body.prompts()))
         if num_choices > self.config.max_choices_per_request:
@@ -205,7 +213,8 @@ class OpenAIServing:
                 raise InvalidRequest(str(e)) from e
             searches.append(BeamSearch(prompt, params, self.tokenizer.eos_token_ids))
         try:
-            client_left = await unless_disconnected(request, self._search(request_id, searches))
+            search = self._search(request_id, searches, body.priority)
+            client_left = await unless_disconnected(request, search)
         except (EngineStepError, EngineDeadError) as e:
             return error_response(500, f"Internal server error: {e}")
         if client_left:
@@ -223,7 +232,7 @@ class OpenAIServing:
         build = chat_response if isinstance(body, ChatCompletionRequest) else completion_response
         return FastJSONResponse(build(meta, choices, usage(prompts, choices)))
 
-    async def _search(self, request_id: str, searches: list[BeamSearch]) -> None:
+    async def _search(self, request_id: str, searches: list[BeamSearch], priority: int) -> None:
         """Beam search's steps: every running beam of every prompt a one-token request, all in
         one batch, then each search keeps its best."""
         step = searches[0].params.step_params()
@@ -233,7 +242,7 @@ class OpenAIServing:
                 return
             beams = [beam.tokens for s in running for beam in s.beams]
             stream = await self.llm.add_requests(f"{request_id}-{number}", beams,
-                                                 [step] * len(beams))  # fmt: skip
+                                                 [step] * len(beams), priority)  # fmt: skip
             candidates: dict[int, tuple] = {}
             try:
                 async for deltas in stream:
@@ -358,7 +367,7 @@ class OpenAIServing:
                                              reasoning=self.config.reasoning_parser)  # fmt: skip
                         sampling = replace(sampling, structured_outputs=structured)
                     params.append(sampling)
-            return await self.llm.add_requests(request_id, expanded, params)
+            return await self.llm.add_requests(request_id, expanded, params, body.priority)
         except InvalidRequest:
             raise
         except ValueError as e:  # SamplingParams' or the engine's verdict: nothing was sent

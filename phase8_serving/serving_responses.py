@@ -285,6 +285,7 @@ class ResponsesServing:
         check_no_lone_surrogate(body)
         server = self.server
         server.check_model(body.model)
+        server.check_priority(body.priority)
         chat, messages = self._chat(body)
         try:
             prompts = await server.llm.run_in_tokenizer_pool(server.prompt_token_ids, chat)

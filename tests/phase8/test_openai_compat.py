@@ -845,9 +845,9 @@ def test_the_generation_config_fills_what_a_request_leaves_unset(live_server, mo
     config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, sampling_defaults=defaults)
     sent, add = [], live_server.llm.add_requests
 
-    async def spy(request_id, prompts, params):
+    async def spy(request_id, prompts, params, *rest):
         sent.extend(params)
-        return await add(request_id, prompts, params)
+        return await add(request_id, prompts, params, *rest)
 
     monkeypatch.setattr(live_server.llm, "add_requests", spy)
     url = live_server.host.serve(build_app(live_server.llm, config))

@@ -100,9 +100,9 @@ def test_a_chats_grammar_waits_for_its_thoughts(live_server, monkeypatch):
     config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, reasoning_parser="deepseek_r1")
     sent, add = [], live_server.llm.add_requests
 
-    async def spy(request_id, prompts, params):
+    async def spy(request_id, prompts, params, *rest):
         sent.extend(params)
-        return await add(request_id, prompts, params)
+        return await add(request_id, prompts, params, *rest)
 
     monkeypatch.setattr(live_server.llm, "add_requests", spy)
     url = live_server.host.serve(build_app(live_server.llm, config))
