@@ -81,9 +81,10 @@ async def frozen_startup_heap(app: FastAPI):
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="mini-vllm", summary="OpenAI-compatible server",
-                  default_response_class=FastJSONResponse,
-                  lifespan=frozen_startup_heap)  # fmt: skip
+                  default_response_class=FastJSONResponse, lifespan=frozen_startup_heap,
+                  **(docs if config.disable_fastapi_docs else {}))  # fmt: skip
     # behind a proxy's prefix: FastAPI puts it in each request's scope, and the routes serve
     # /llm/v1/... and /v1/... alike (vLLM sets it so too; uvicorn's would serve only the first)
     app.root_path = config.root_path
@@ -112,20 +113,18 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def delete_response(response_id: str) -> dict:
         return responses.delete(response_id)
 
-    def card() -> dict:
-        return model_card(config.model_name, config.max_model_len, config.model_root)
+    def card(name: str) -> dict:
+        return model_card(name, config.max_model_len, config.model_root)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [card()]}
+        names = (config.model_name, *config.model_aliases)  # each name a card, as vLLM lists
+        return {"object": "list", "data": [card(name) for name in names]}
 
     @app.get("/v1/models/{model_id:path}")  # :path: hub ids have a slash (Qwen/Qwen3-0.6B)
     async def model(model_id: str) -> dict:
-        if model_id != config.model_name:
-            raise InvalidRequest(
-                f"The model `{model_id}` does not exist.", "model", 404, "model_not_found"
-            )
-        return card()
+        server.check_model(model_id)
+        return card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -65,7 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = False) 
         field_help = f"EngineConfig.{f.name}"
         if f.default is None:  # the engine chooses (kv_cache_config.py, EngineConfig.for_device)
             field_help += f" (default: {NONE_MEANS.get(f.name, DEVICE_DEFAULT)})"
-        if hints[f.name] is bool:
+        if bool in (hints[f.name], *typing.get_args(hints[f.name])):  # bool, or bool | None
+            # a switch, never a value: type=bool would read "--async-scheduling false" as True
             parser.add_argument(
                 *flags, action=argparse.BooleanOptionalAction, default=f.default, help=field_help
             )
@@ -88,8 +89,7 @@ def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
     accepted; an unsupported one only at the value that asks for nothing, and refused with the
     reason at any other (the engine's check, `engine_config`). A subcommand's own flag of the
     same name (serve's `--data-parallel-size`) wins."""
-    ignored = {name: (False, why) for name, why in VLLM_IGNORED.items()}  # both on/off flags
-    for name, (neutral, why) in {**VLLM_UNSUPPORTED, **ignored}.items():
+    for name, (neutral, why) in {**VLLM_UNSUPPORTED, **VLLM_IGNORED}.items():
         flag = "--" + name.replace("_", "-")
         if flag in parser._option_string_actions:
             continue

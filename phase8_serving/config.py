@@ -281,12 +281,42 @@ VLLM_UNSUPPORTED = {
     "hf_overrides": (None, "the checkpoint's config.json is read as it is"),
     "compilation_config": (None, "the model runs eagerly or in CUDA graphs, never torch.compile"),
     "max_logprobs": (20, "a request may ask for the 20 most likely tokens at most"),
+    "download_dir": (None, "hub checkpoints go to the Hugging Face cache ($HF_HOME)"),
+    "hf_token": (None, "set $HF_TOKEN, which the hub download reads, for a gated checkpoint"),
+    "code_revision": (None, "no checkpoint code ever runs"),
+    "model_impl": ("auto", "the model classes are this engine's own (model.py, qwen3_5.py)"),
+    "worker_cls": ("auto", "the workers are this engine's own (worker.py)"),
+    "enable_sleep_mode": (False, "there is no sleep mode here"),
+    "enable_expert_parallel": (False, "there are no mixture-of-experts models here"),
+    "calculate_kv_scales": (False, "an fp8 KV cache stores its values unscaled (kv_cache.py)"),
+    "limit_mm_per_prompt": (None, "the models here read text only"),
+    "mm_processor_kwargs": (None, "the models here read text only"),
+    "kv_transfer_config": (None, "there is no disaggregated prefill here"),
+    "logits_processors": (None, "there are no logits processor plugins here"),
+    "otlp_traces_endpoint": (None, "there is no OpenTelemetry tracing here"),
+    "max_num_partial_prefills": (1, "prompts are chunked by the step's token budget alone"),
+    "long_prefill_token_threshold": (0, "prompts are chunked by the step's token budget alone"),
+    "scheduler_delay_factor": (0.0, "the scheduler never holds a step back to gather prompts"),
 }
-# vLLM arguments that change nothing here whatever their value, and why (any value accepted)
+# vLLM arguments that change nothing here whatever their value -> (the flag's default: False
+# makes it a switch, anything else takes a value of its type), and why
 VLLM_IGNORED = {
-    "trust_remote_code": "no code from a checkpoint ever runs: the model classes are ours",
-    "disable_log_stats": "an offline engine logs no periodic stats",
-}
+    "trust_remote_code": (False, "no code from a checkpoint ever runs: the model classes are ours"),
+    "disable_log_stats": (False, "an offline engine logs no periodic stats"),
+    "disable_custom_all_reduce": (False, "tensor parallelism all-reduces through NCCL alone"),
+    "distributed_executor_backend": (None, "tensor-parallel ranks are local processes "
+                                           "(worker.py), whatever the backend named"),
+    "max_seq_len_to_capture": (8192, "decode CUDA graphs are captured by batch size and replay "
+                                     "at any sequence length"),
+    "max_cudagraph_capture_size": (None, "the CUDA graphs' batch sizes are the engine's own "
+                                         "(cuda_graph.py)"),
+    "prefix_caching_hash_algo": ("builtin", "the prefix cache chains hashes and checks every "
+                                            "hit's tokens (block_manager.py)"),
+    "guided_decoding_backend": ("auto", "structured outputs run on this engine's own grammars "
+                                        "(structured_output.py)"),
+    "structured_outputs_config": (None, "structured outputs run on this engine's own grammars "
+                                        "(structured_output.py)"),
+}  # fmt: skip
 
 
 def engine_config(caller: str, kwargs: dict[str, object], others: tuple[str, ...]) -> EngineConfig:
@@ -360,6 +390,8 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    model_aliases: tuple[str, ...] = ()  # other names requests may use for the model
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     # what a request leaves unset, sampled as the model's generation config recommends
     # (sampling_params.generation_defaults; `serve --generation-config`, vLLM's flag)
     sampling_defaults: dict[str, typing.Any] = dataclasses.field(default_factory=dict)

@@ -522,7 +522,8 @@ class LLMEngine:
 
 
 # `LLM`'s own keyword arguments; every other one is an engine argument (config.engine_config)
-LLM_ARGUMENTS = ("model", "dtype", "device", "trace", "seed", "generation_config")
+LLM_ARGUMENTS = ("model", "dtype", "device", "trace", "seed", "generation_config",
+                 "override_generation_config")  # fmt: skip
 
 
 class LLM:
@@ -535,7 +536,8 @@ class LLM:
     `generation_config` (vLLM's): "auto" samples a call without `sampling_params` as the
     checkpoint's generation_config.json recommends (Qwen3: temperature 0.6, top_p 0.95, top_k
     20; `get_default_sampling_params`), "vllm" with `SamplingParams()`, or a directory whose
-    generation_config.json to read.
+    generation_config.json to read; `override_generation_config` (vLLM's) sets some of those
+    defaults over it ({"temperature": 0.5}).
     `engine_kwargs`: vLLM's engine arguments (max_model_len, max_num_seqs, gpu_memory_utilization,
     tensor_parallel_size, enforce_eager, ...): `EngineConfig`'s fields, and vLLM's other names
     for them (config.py's `engine_config`); an unknown one is a TypeError that lists them.
@@ -550,6 +552,7 @@ class LLM:
         trace: StepTrace | None = None,
         seed: int | None = None,
         generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
         **engine_kwargs,
     ):
         # bad settings fail before the slow load
@@ -565,7 +568,8 @@ class LLM:
         resolve_dtype(dtype, device)  # raises on an unknown dtype
         config = config.for_device(device.type)  # every rank gets the same batch sizes
         model_dir = resolve_model_dir(default_model_dir() if model is None else model)
-        self.sampling_defaults = generation_defaults(model_dir, generation_config)
+        self.sampling_defaults = generation_defaults(model_dir, generation_config,
+                                                     override_generation_config)  # fmt: skip
         if self.sampling_defaults:
             logger.info("sampling defaults from the model's generation config (without "
                         "sampling_params): %s", self.sampling_defaults)  # fmt: skip

@@ -360,27 +360,33 @@ GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_
                           "max_new_tokens")  # fmt: skip
 
 
-def generation_defaults(model_dir: str | Path, generation_config: str = "auto") -> dict[str, Any]:
+def generation_defaults(
+    model_dir: str | Path, generation_config: str = "auto",
+    override: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The sampling defaults `generation_config` gives: "auto" the checkpoint's
-    generation_config.json, "vllm" none, or another directory's generation_config.json. Each is
-    checked as a `SamplingParams` field would be, so a bad file fails at start-up."""
+    generation_config.json, "vllm" none, or another directory's generation_config.json; then
+    `override` (vLLM's override_generation_config: the same keys) over them. Each is checked as
+    a `SamplingParams` field would be, so a bad file fails at start-up."""
     if not isinstance(generation_config, str):
         kind = type(generation_config).__name__
         raise TypeError(f"generation_config must be 'auto', 'vllm' or a directory, got {kind}")
-    if generation_config == "vllm":
-        return {}
-    folder = Path(model_dir if generation_config == "auto" else generation_config)
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        if generation_config == "auto":
-            return {}
-        raise ValueError(f"generation_config: no generation_config.json in {folder}")
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not readable as JSON ({e})") from e
-    if not isinstance(found, dict):
-        raise ValueError(f"{path}: not a JSON object")
+    if override is not None and not isinstance(override, dict):
+        raise TypeError(f"override_generation_config must be a dict, got {override!r}")
+    unknown = sorted(map(str, set(override or {}) - set(GENERATION_CONFIG_KEYS)))
+    if unknown:
+        raise ValueError(f"override_generation_config: {unknown} are not among "
+                         f"{list(GENERATION_CONFIG_KEYS)}")  # fmt: skip
+    found, path = {}, "override_generation_config"
+    if generation_config != "vllm":
+        folder = Path(model_dir if generation_config == "auto" else generation_config)
+        file = folder / "generation_config.json"
+        if file.is_file():
+            found = _read_json_object(file)
+            path = f"{file}" + (" with override_generation_config" if override else "")
+        elif generation_config != "auto":
+            raise ValueError(f"generation_config: no generation_config.json in {folder}")
+    found = {**found, **(override or {})}
     defaults = {key: found[key] for key in GENERATION_CONFIG_KEYS if found.get(key) is not None}
     if "max_new_tokens" in defaults:
         defaults["max_tokens"] = defaults.pop("max_new_tokens")
@@ -389,3 +395,13 @@ def generation_defaults(model_dir: str | Path, generation_config: str = "auto") 
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from e
     return defaults
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable as JSON ({e})") from e
+    if not isinstance(found, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return found

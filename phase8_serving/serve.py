@@ -53,7 +53,36 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' (default: $VLLM_API_KEY, "
                         "if set)")  # fmt: skip
-    p.add_argument("--served-model-name", default=None, help="the name clients use as model")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name clients use as model; more names are accepted too, the first "
+                        "is the one responses carry (vLLM's flag)")  # fmt: skip
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    p.add_argument("--ssl-ca-certs", default=None,
+                   help="CA certificates to verify clients' certificates with")  # fmt: skip
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json (vLLM's flag)")  # fmt: skip
+    # vLLM's flags that ask for what this server does anyway, accepted for its command lines
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's older flag; requests are not logged unless "
+                        "--enable-log-requests")  # fmt: skip
+    p.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="vLLM's; changes nothing here: a request's log line holds no prompt",
+    )
+    p.add_argument("--response-role", choices=["assistant"], default="assistant",
+                   help="vLLM's; a reply's role is always assistant here")  # fmt: skip
+    p.add_argument("--api-server-count", type=int, choices=[1], default=1,
+                   help="vLLM's; one front end process (its engine cores are "
+                        "--data-parallel-size)")  # fmt: skip
+    p.add_argument(
+        "--chat-template-content-format",
+        choices=["auto", "string"],
+        default="auto",
+        help="vLLM's; a message's text parts reach the template as one string",
+    )
     for what in ("origins", "methods", "headers"):
         p.add_argument(f"--allowed-{what}", type=json_list, default=["*"],
                        help=f"CORS: the {what} a browser page on another origin may use, as a "
@@ -103,6 +132,9 @@ def add_serve_parser(subparsers) -> None:
                         "repetition_penalty, max_tokens) is sampled as the checkpoint's "
                         "generation_config.json recommends; 'vllm': the API's defaults; or a "
                         "directory whose generation_config.json to read (vLLM's flag)")  # fmt: skip
+    p.add_argument("--override-generation-config", type=json_object, default=None,
+                   help='defaults over the generation config\'s, as JSON: \'{"temperature": '
+                        '0.5}\' (vLLM\'s flag)')  # fmt: skip
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag; changes nothing here: a chat with tools always has its "
                         "Hermes-format calls parsed (tool_choice auto)")  # fmt: skip
@@ -160,9 +192,11 @@ def serve(args: argparse.Namespace) -> None:
     args.model = serve_model(args)
     args.api_key = api_key(args.api_key)
     args.chat_template = read_chat_template(args.chat_template)
-    name = args.served_model_name or args.model or MODEL_NAME
+    name, *aliases = args.served_model_name or [args.model or MODEL_NAME]
     spec = core_spec(args)
-    sampling_defaults = generation_defaults(spec.model, args.generation_config)  # before a spawn
+    sampling_defaults = generation_defaults(
+        spec.model, args.generation_config, args.override_generation_config
+    )  # before a spawn
     if sampling_defaults:
         log.info("requests sample as the model's generation config recommends, where they do "
                  "not say (--generation-config vllm: the API's defaults): %s",
@@ -191,6 +225,7 @@ def serve(args: argparse.Namespace) -> None:
             allowed_methods=tuple(args.allowed_methods),
             allowed_headers=tuple(args.allowed_headers),
             allow_credentials=args.allow_credentials,
+            model_aliases=tuple(aliases), disable_fastapi_docs=args.disable_fastapi_docs,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)
@@ -220,7 +255,20 @@ def uvicorn_config(app, args: argparse.Namespace):
         access_log=access_log,
         loop="auto", http="auto",
         timeout_graceful_shutdown=max(args.shutdown_timeout, SHUTDOWN_TICK_S),
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
     )  # fmt: skip
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (vLLM's spelling: --override-generation-config '{"top_k": 20}')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object, got {text!r}")
+    return value
 
 
 def json_list(text: str) -> list[str]:

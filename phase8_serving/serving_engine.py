@@ -118,7 +118,8 @@ class OpenAIServing:
             self.tokenizer.chat_template = config.chat_template
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
+        config = self.config
+        if model is not None and model != config.model_name and model not in config.model_aliases:
             raise InvalidRequest(
                 f"The model `{model}` does not exist.", "model", 404, "model_not_found"
             )

@@ -102,10 +102,11 @@ class ServerHost:
         self.thread.start()
         self.servers: list[tuple[uvicorn.Server, concurrent.futures.Future]] = []
 
-    def serve(self, app) -> str:
-        """Starts a server for `app` on a free local port; returns its base URL."""
+    def serve(self, app, **uvicorn_config) -> str:
+        """Starts a server for `app` on a free local port (with uvicorn's settings, TLS's say);
+        returns its base URL."""
         sock = socket.create_server(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **uvicorn_config))
         done = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
         self.servers.append((server, done))
         while not server.started:

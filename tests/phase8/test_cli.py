@@ -5,8 +5,10 @@ import dataclasses
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,13 +16,14 @@ import pytest
 import torch
 
 from phase8_serving import LLM, SamplingParams, cli, serve
+from phase8_serving.api_server import build_app
 from phase8_serving.arg_utils import engine_kwargs, vllm_kwargs
 from phase8_serving.bench import LATENCY_DEFAULTS, THROUGHPUT_DEFAULTS, fill_device_defaults
 from phase8_serving.cli import build_parser, chat, main
-from phase8_serving.config import EngineConfig, PreemptionMode
+from phase8_serving.config import EngineConfig, PreemptionMode, ServerConfig, engine_config
 from phase8_serving.engine_core import build_llm, core_info
 
-from .conftest import wait_for_health
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, wait_for_health
 
 SERVE_STARTUP_S = 120  # import + load on a busy 2-core machine
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
@@ -340,7 +343,8 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir, tmp_path):
                "--enable-force-include-usage", "--root-path", "/llm", "--chat-template",
                TEMPLATE, "--trust-remote-code", "--enable-auto-tool-choice",
                "--max-stored-responses", "0", "--generation-config", str(tmp_path),
-               "--allowed-origins", '["https://ui.example"]']  # fmt: skip
+               "--allowed-origins", '["https://ui.example"]', "--served-model-name", "tiny",
+               "tiny-alias", "--override-generation-config", '{"min_p": 0.0}']  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -374,7 +378,8 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir, tmp_path):
         ids = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
         text = httpx.post(url + "/detokenize", json={"tokens": ids.json()["tokens"]}).json()
         assert text["prompt"] == "[user]Hi"  # --chat-template
-        response = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+        response = client.responses.create(model="tiny-alias", input="Hi", max_output_tokens=2)
+        assert response.model == "tiny"  # another --served-model-name; replies carry the first
         assert response.usage.output_tokens >= 1  # the Responses API, not stored:
         assert httpx.get(f"{url}/v1/responses/{response.id}").status_code == 404
     finally:
@@ -386,3 +391,53 @@ def test_serve_subcommand_answers_the_openai_client(tiny_dir, tmp_path):
     assert "POST /v1/chat/completions" not in log  # no access log without --enable-log-requests
     assert "KV cache:" in log  # the front end's line: tokens per core, cores
     assert "generation config recommends" in log and "'repetition_penalty': 1.0" in log
+    assert "'min_p': 0.0" in log  # --override-generation-config, over the file's
+
+
+def test_a_deployment_command_line_of_vllms_runs():
+    """Flags a `vllm serve` deployment carries: the engine's that change nothing here are taken
+    at any value, those that ask for nothing (vLLM's defaults) accepted, the rest refused with
+    the reason before anything loads; the server's own parse to what they set."""
+    parse = build_parser().parse_args
+    line = ["serve", "m", "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
+            "--max-seq-len-to-capture", "8192", "--guided-decoding-backend", "xgrammar",
+            "--prefix-caching-hash-algo", "sha256", "--model-impl", "auto",
+            "--max-num-partial-prefills", "1", "--disable-log-requests", "--max-log-len", "100",
+            "--response-role", "assistant", "--api-server-count", "1",
+            "--served-model-name", "qwen", "qwen3-0.6b", "--disable-fastapi-docs",
+            "--override-generation-config", '{"temperature": 0.5}',
+            "--no-async-scheduling"]  # fmt: skip
+    args = parse(line)
+    assert engine_config("serve", {**engine_kwargs(args), **vllm_kwargs(args)}, ()) == (
+        EngineConfig(async_scheduling=False))  # fmt: skip
+    assert args.served_model_name == ["qwen", "qwen3-0.6b"] and args.disable_fastapi_docs
+    assert args.override_generation_config == {"temperature": 0.5}
+    assert parse(["serve", "--async-scheduling"]).async_scheduling is True  # a switch, not
+    assert parse(["serve"]).async_scheduling is None  # a value: "false" would read as True
+    for refused, why in ((["--enable-sleep-mode"], "no sleep mode"),
+                         (["--max-num-partial-prefills", "2"], "token budget alone"),
+                         (["--download-dir", "/data"], "Hugging Face cache")):  # fmt: skip
+        args = parse(["serve", "m", *refused])
+        with pytest.raises(ValueError, match=why):
+            engine_config("serve", {**engine_kwargs(args), **vllm_kwargs(args)}, ())
+    for bad in (["--api-server-count", "2"], ["--response-role", "user"],
+                ["--override-generation-config", "[1]"],
+                ["--async-scheduling", "false"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse(["serve", "m", *bad])
+
+
+def test_https_with_the_ssl_flags(live_server):
+    """--ssl-keyfile and --ssl-certfile reach uvicorn: the server answers over HTTPS, to a
+    client that trusts the certificate."""
+    data = Path(__file__).parent / "data"
+    args = build_parser().parse_args(["serve", "--ssl-keyfile", str(data / "localhost.key"),
+                                      "--ssl-certfile", str(data / "localhost.crt")])  # fmt: skip
+    app = build_app(live_server.llm, ServerConfig(MODEL_NAME, MAX_MODEL_LEN))
+    config = serve.uvicorn_config(app, args)
+    assert (config.ssl_keyfile, config.ssl_certfile) == (args.ssl_keyfile, args.ssl_certfile)
+    url = live_server.host.serve(app, ssl_keyfile=config.ssl_keyfile,
+                                 ssl_certfile=config.ssl_certfile)  # fmt: skip
+    https = url.replace("http://", "https://")
+    verify = ssl.create_default_context(cafile=str(data / "localhost.crt"))
+    assert httpx.get(https + "/v1/models", verify=verify).json()["data"][0]["id"] == MODEL_NAME

@@ -206,6 +206,12 @@ def test_the_generation_config_samples_what_a_call_leaves_unset(tiny_dir, tmp_pa
         LLM(tiny_dir, generation_config=str(folder), **CPU)
     with pytest.raises(ValueError, match="no generation_config.json"):
         LLM(tiny_dir, generation_config=str(tmp_path), **CPU)
+    over = LLM(tiny_dir, generation_config="vllm", override_generation_config={
+        "temperature": 0.0, "max_new_tokens": 2}, **CPU)  # fmt: skip
+    assert over.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=2)
+    assert generation_defaults(folder, "auto", {"temperature": 0.5}) == {"temperature": 0.5}
+    with pytest.raises(ValueError, match=r"\['seed'\] are not among"):
+        LLM(tiny_dir, override_generation_config={"seed": 1}, **CPU)
 
 
 def test_vllms_logprob_dicts_and_reset_prefix_cache(tiny_dir):

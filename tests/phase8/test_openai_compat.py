@@ -861,3 +861,23 @@ def test_the_generation_config_fills_what_a_request_leaves_unset(live_server, mo
             assert http.post(route, json=body).status_code == 200
     assert [(p.temperature, p.top_k, p.max_tokens) for p in sent] == [
         (0.0, 20, 3), (0.5, None, 5), (0.0, 20, 16), (0.0, 20, 3)]  # fmt: skip
+
+
+def test_more_served_model_names_and_no_docs(live_server):
+    """`--served-model-name a b`: requests may name either, /v1/models lists both, replies carry
+    the first (vLLM's); `--disable-fastapi-docs`: no /docs, /redoc or /openapi.json."""
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, model_aliases=("alias",),
+                          disable_fastapi_docs=True)  # fmt: skip
+    url = live_server.host.serve(build_app(live_server.llm, config))
+    with httpx.Client(base_url=url, timeout=30) as http:
+        reply = http.post(
+            "/v1/completions", json={"model": "alias", "prompt": "hi", "max_tokens": 1}
+        )
+        assert reply.status_code == 200 and reply.json()["model"] == MODEL_NAME
+        listed = [card["id"] for card in http.get("/v1/models").json()["data"]]
+        assert listed == [MODEL_NAME, "alias"] and http.get("/v1/models/alias").status_code == 200
+        body = {"model": "other", "prompt": "hi"}
+        assert_openai_error(http.post("/v1/completions", json=body), 404, "model")
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert http.get(path).status_code == 404
+    assert httpx.get(live_server.base_url + "/openapi.json").status_code == 200  # by default
