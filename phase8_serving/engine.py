@@ -336,6 +336,10 @@ class LLMEngine:
         if params.structured_outputs is not None:
             check_byte_level(self.tokenizer)
         prompt_ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the prompt's last `keep` tokens (-1: as many as the context holds)
+            keep = self.kv_cache_config.max_model_len if keep == -1 else keep
+            prompt_ids = prompt_ids[-keep:]
         self.check_length(prompt_ids, params.max_tokens)
         seq_id = next(self._seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)

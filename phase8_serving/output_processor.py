@@ -107,7 +107,25 @@ class StreamDetokenizer:
         return self.tokenizer.decode(ids, self.skip_special_tokens)
 
 
-def make_detokenizer(tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool):
+class NoText:
+    """The detokenizer of a request that wants token ids alone (`detokenize=False`)."""
+
+    def add_tokens(self, new_ids: Sequence[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+NO_TEXT = NoText()
+
+
+def make_detokenizer(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool,
+    detokenize: bool = True,
+):  # fmt: skip
+    if not detokenize:
+        return NO_TEXT
     if DecodeStream is None:
         return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
     return StreamDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
@@ -200,7 +218,7 @@ class RequestState:
     request_id: str
     index: int  # its choice index in the HTTP request
     collector: RequestOutputCollector
-    detokenizer: IncrementalDetokenizer | StreamDetokenizer
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer | NoText
     stops: tuple[str, ...]
     core: int  # which engine core runs it
     num_prompt_tokens: int
@@ -217,7 +235,8 @@ class RequestState:
               tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
               core: int = 0) -> "RequestState":  # fmt: skip
         """The state of a request about to be sent to engine core `core`."""
-        detokenizer = make_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        detokenizer = make_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens,
+                                       params.detokenize)  # fmt: skip
         # vLLM's rule: EOS ending a request is no stop_reason, even if stop_token_ids names it
         eos = frozenset() if params.ignore_eos else frozenset(tokenizer.eos_token_ids)
         return cls(request_id, index, collector, detokenizer, params.stop, core, len(prompt_ids),

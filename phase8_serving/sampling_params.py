@@ -19,7 +19,8 @@ skip_special_tokens, presence/frequency/repetition penalties, logprobs and promp
 complete: the engine bans a word's last token where its others end the output) and
 structured_outputs (the reply must be JSON, or one of given strings: structured_output.py), and
 n (completions of one prompt, run by `LLM` as n requests, vLLM's parallel sampling; the engine
-takes one at a time).
+takes one at a time), detokenize (False: token ids without text) and truncate_prompt_tokens
+(the prompt's last k tokens).
 """
 
 import functools
@@ -152,6 +153,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # vLLM's: words the reply may not complete
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's: JSON, or one of choices
     n: int = 1  # completions of the prompt: `LLM` runs n requests (choice i seeded seed + i)
+    detokenize: bool = True  # vLLM's: False gives token ids alone, no text (nothing decoded)
+    # vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len); offline `LLM`
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         # Accept vLLM users' habits (a list) but store tuples: params are frozen.
@@ -208,6 +212,13 @@ class SamplingParams:
                 "SamplingParams.skip_special_tokens must be a bool, "
                 f"got {self.skip_special_tokens!r}"
             )
+        if not isinstance(self.detokenize, bool):
+            raise TypeError(f"SamplingParams.detokenize must be a bool, got {self.detokenize!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("SamplingParams.stop needs detokenize=True: stop strings are found "
+                             "in the text")  # fmt: skip
+        if self.truncate_prompt_tokens not in (None, -1):
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_real(name, getattr(self, name))
             if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:

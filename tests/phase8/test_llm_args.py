@@ -237,3 +237,33 @@ def test_vllms_logprob_dicts_and_reset_prefix_cache(tiny_dir):
     cold = llm.generate([prompt], params, use_tqdm=False)[0]
     assert cold.num_cached_tokens == 0
     assert cold.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_detokenize_false_and_truncate_prompt_tokens(tiny_dir):
+    """vLLM's `detokenize=False`: the same token ids and no text, whole or streamed (stop
+    strings, found in the text, need it); `truncate_prompt_tokens`: the prompt's last k tokens."""
+    llm = LLM(tiny_dir, **CPU)
+    greedy = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompt = [72 + i for i in range(20)]
+    (text,) = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)
+    (ids,) = llm.generate([prompt], SamplingParams(**greedy, detokenize=False), use_tqdm=False)
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+    assert ids.outputs[0].text == ""
+    llm.add_request(prompt, SamplingParams(**greedy, detokenize=False), request_id="s")
+    steps = [out.outputs[0] for _ in range(20) if llm.has_unfinished_requests()
+             for out in llm.step()]  # fmt: skip
+    assert [t for s in steps for t in s.token_ids] == ids.outputs[0].token_ids
+    assert all(s.text == "" for s in steps)
+    with pytest.raises(ValueError, match="stop needs detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    (cut,) = llm.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=3),
+                          use_tqdm=False)  # fmt: skip
+    (last3,) = llm.generate([prompt[-3:]], SamplingParams(**greedy), use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-3:]
+    assert cut.outputs[0].token_ids == last3.outputs[0].token_ids
+    (whole,) = llm.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=-1),
+                            use_tqdm=False)  # fmt: skip
+    assert whole.prompt_token_ids == prompt  # -1: as many as the context holds
+    for bad in (0, -2, True):
+        with pytest.raises((TypeError, ValueError), match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
