@@ -646,15 +646,13 @@ class LLM:
             tokenizer = copy.copy(tokenizer)
             tokenizer.chat_template = chat_template
         prompts = [
-            tokenizer.encode(
-                tokenizer.apply_chat_template(
-                    c,
-                    add_generation_prompt,
-                    tools=tools,
-                    continue_final_message=continue_final_message,
-                    **(chat_template_kwargs or {}),
-                ),
-                add_special_tokens=False,  # the rendered template already holds them
+            tokenizer.apply_chat_template(
+                c,
+                add_generation_prompt,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                tokenize=True,  # the rendered template already holds the special tokens
+                **(chat_template_kwargs or {}),
             )
             for c in conversations
         ]

@@ -310,7 +310,7 @@ class OpenAIServing:
             return self.tokenizer.apply_chat_template(
                 messages, body.add_generation_prompt,
                 tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-                continue_final_message=body.continue_final_message,
+                continue_final_message=body.continue_final_message, tokenize=False,
                 **(body.chat_template_kwargs or {}),
             )  # fmt: skip
         except Exception as e:  # the template is code we run on the client's input

@@ -95,9 +95,12 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        tokenize: bool = False,
         **template_kwargs: Any,
-    ) -> str:
-        """The prompt text for a conversation, as transformers renders it (`tokenize=False`).
+    ) -> str | list[int]:
+        """The prompt text for a conversation, as transformers renders it with `tokenize=False`
+        (this method's default); with `tokenize=True` its token ids (the template holds the
+        special tokens: none are added), as `LLM.get_tokenizer()` users write for vLLM's.
 
         `continue_final_message` (transformers' rule): the text ends where the final message's
         content does, without the end of its turn, so the model goes on writing it (a reply
@@ -116,13 +119,16 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens, **template_kwargs},
         )
-        if not continue_final_message:
-            return text
-        final = chat[-1].get("content") or ""
-        for ending in (final, final.strip()):  # templates may strip the content
-            if ending and ending in text:
-                return text[: text.rindex(ending) + len(ending)]
-        raise ValueError("continue_final_message: the final message's content is not in the text")
+        if continue_final_message:
+            text = _up_to_final_content(text, chat[-1].get("content") or "")
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _up_to_final_content(text: str, final: str) -> str:
+    for ending in (final, final.strip()):  # templates may strip the content
+        if ending and ending in text:
+            return text[: text.rindex(ending) + len(ending)]
+    raise ValueError("continue_final_message: the final message's content is not in the text")
 
 
 def check_conversations(messages: object) -> list[list[dict[str, Any]]]:

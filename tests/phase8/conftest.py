@@ -170,6 +170,25 @@ def live_server(tiny_dir):
         llm.shutdown()
 
 
+@pytest.fixture
+def http(live_server):
+    """An HTTP client of the live server; after the test, nothing may be left running there and
+    every KV block must be free."""
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
+        yield c
+    live_server.wait_until_idle(timeout=1.0)
+
+
+@pytest.fixture
+def client(live_server):
+    """The `openai` SDK's client of the live server; checked afterwards as `http` is."""
+    import openai  # only the tests that talk through the SDK need it
+
+    with openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0) as c:
+        yield c
+    live_server.wait_until_idle(timeout=1.0)
+
+
 def wait_for_health(url: str, *processes: subprocess.Popen, timeout_s: float = 120) -> None:
     """Polls `url`/health until it answers 200; fails at once if one of `processes` (a server
     started as a command, and whatever it needs) has exited, and after `timeout_s` (import +

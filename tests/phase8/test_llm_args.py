@@ -143,6 +143,10 @@ def test_chat_takes_vllms_chat_template_and_continue_final_message(tiny_dir):
     assert decode(out.prompt_token_ids).endswith("<|im_start|>assistant\nThe answer")
     (closed,) = llm.chat(begun, greedy, use_tqdm=False, add_generation_prompt=False)
     assert decode(closed.prompt_token_ids).endswith("The answer<|im_end|>\n")
+    tokenizer = llm.get_tokenizer()  # as vLLM users build prompts: HF's tokenize=True is ids
+    text = tokenizer.apply_chat_template(begun, add_generation_prompt=False)
+    ids = tokenizer.apply_chat_template(begun, add_generation_prompt=False, tokenize=True)
+    assert ids == tokenizer.encode(text, add_special_tokens=False) == closed.prompt_token_ids
     with pytest.raises(TypeError, match="chat_template"):
         llm.chat(begun, greedy, chat_template=3)
     with pytest.raises(ValueError, match="exclude each other"):

@@ -44,20 +44,6 @@ FORCE = 100  # the largest logit bias: greedy decoding then picks that token
 
 
 @pytest.fixture
-def http(live_server):
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
-        yield c
-    live_server.wait_until_idle(timeout=1.0)  # nothing left running, every KV block free
-
-
-@pytest.fixture
-def client(live_server):
-    with openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0) as c:
-        yield c
-    live_server.wait_until_idle(timeout=1.0)
-
-
-@pytest.fixture
 def token_id(live_server):
     """The id of a one-token string (the test tokenizer is byte-level)."""
 
@@ -881,3 +867,11 @@ def test_more_served_model_names_and_no_docs(live_server):
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert http.get(path).status_code == 404
     assert httpx.get(live_server.base_url + "/openapi.json").status_code == 200  # by default
+
+
+def test_a_template_variable_named_tokenize_is_a_400(http):
+    """`tokenize` is the renderer's own argument (text for the server, ids for `LLM.chat`): a
+    client's chat_template_kwargs naming it gets a 400, not a 500."""
+    body = {"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"tokenize": True}}
+    error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "messages")
+    assert "tokenize" in error["message"]

@@ -64,13 +64,6 @@ BAD_CHAT_BODIES = {
 }  # fmt: skip
 
 
-@pytest.fixture
-def http(live_server):
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
-        yield c
-    live_server.wait_until_idle(timeout=1.0)
-
-
 def assert_still_serving(http: httpx.Client) -> None:
     body = {"prompt": "still there?", "max_tokens": 3, "ignore_eos": True}
     response = http.post("/v1/completions", json=body)

@@ -10,7 +10,6 @@ point (the streamed items equal the whole ones).
 import json
 
 import httpx
-import openai
 import pytest
 from openai.types.responses import Response
 
@@ -27,20 +26,6 @@ from .conftest import MAX_MODEL_LEN, MODEL_NAME, assert_openai_error
 GREEDY = {"temperature": 0.0}
 JSON = {"content-type": "application/json"}
 FLAG = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
-
-
-@pytest.fixture
-def http(live_server):
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
-        yield c
-    live_server.wait_until_idle(timeout=1.0)  # nothing left running, every KV block free
-
-
-@pytest.fixture
-def client(live_server):
-    with openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0) as c:
-        yield c
-    live_server.wait_until_idle(timeout=1.0)
 
 
 def chat(http, messages, **fields) -> dict:

@@ -590,13 +590,6 @@ def test_structured_outputs_params_are_checked_where_they_are_made():
 # -- the server (the tiny byte-level checkpoint: 256 byte tokens) --------------------------------
 
 
-@pytest.fixture
-def http(live_server):
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
-        yield c
-    live_server.wait_until_idle(timeout=1.0)
-
-
 def post(http, endpoint: str, **body) -> httpx.Response:
     if endpoint == "chat":
         body = {"messages": [{"role": "user", "content": "Hi"}], **body}

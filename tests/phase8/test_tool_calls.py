@@ -126,13 +126,6 @@ def test_tools_reach_the_chat_template():
 # -- through the server ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def http(live_server):
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
-        yield c
-    live_server.wait_until_idle(timeout=1.0)
-
-
 def chat(http, **body) -> httpx.Response:
     body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 27, "temperature": 1.0, **body}
     return http.post("/v1/chat/completions", json=body)
