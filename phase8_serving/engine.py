@@ -131,7 +131,7 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-Prompt = str | list[int] | TextPrompt | TokensPrompt  # text, or token ids
+Prompt = str | list[int] | TextPrompt | TokensPrompt  # text or token ids, bare or as a dict
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
 
 
