@@ -637,6 +637,10 @@ class ChatCompletionRequest(SamplingRequest):
             return "auto" if self.tools else "none"
         return self.tool_choice
 
+    def tool_schemas(self) -> dict[str, dict[str, Any] | None]:
+        """Each tool's parameters' schema, by name (XML calls' values are read by them)."""
+        return {t.function.name: t.function.parameters for t in self.tools or ()}
+
     def tool_function(self) -> FunctionDefinition | None:
         """The named tool_choice's function."""
         if not isinstance(self.tool_choice, NamedToolChoice):

@@ -5,7 +5,9 @@ answer, between `<think>` and `</think>`. A client that shows the answer, or par
 tool calls, needs the two apart, and a streaming one wants the thoughts as they come.
 Idea (vLLM's `--reasoning-parser`): the server splits each chat choice's text at the tags.
 - qwen3: thoughts only if the reply opens with `<think>` (with `enable_thinking: false` the
-  template writes an empty think block into the prompt, and the reply is all answer);
+  template writes an empty think block into the prompt, and the reply is all answer), or if the
+  prompt left them open: Qwen3.5's template ends a thinking prompt with `<think>\n`, so its
+  reply starts inside the thoughts and is split as deepseek_r1's (`reply_parser`);
 - deepseek_r1: its template opens `<think>` in the prompt, so the reply starts inside the
   thoughts: everything before `</think>` is reasoning (all of it, if the tag never comes).
 Streamed, text goes out as reasoning until `</think>`, holding back a tail that could begin the
@@ -17,6 +19,16 @@ from .streaming import held_back_length
 
 THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+PROMPT_TAIL_TOKENS = 32  # where a prompt that opens the thoughts has its `<think>`
+
+
+def reply_parser(parser: str, tokenizer, prompt_ids: list[int]) -> str:
+    """How a reply to this prompt is split: qwen3's as deepseek_r1's when the prompt's last
+    think tag opens the thoughts (Qwen3.5's `<think>\n`), so the reply starts inside them."""
+    if parser != "qwen3":
+        return parser
+    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
+    return "deepseek_r1" if tail.rfind(THINK_START) > tail.rfind(THINK_END) else parser
 
 
 class ReasoningStream:

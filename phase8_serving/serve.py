@@ -138,9 +138,10 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag; changes nothing here: a chat with tools always has its "
                         "Hermes-format calls parsed (tool_choice auto)")  # fmt: skip
-    p.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
-                   help="vLLM's flag: the format calls are parsed from; Hermes' <tool_call> "
-                        "blocks (Qwen3's) are the only one here")  # fmt: skip
+    p.add_argument("--tool-call-parser", choices=["hermes", "qwen3_coder", "qwen3_xml"],
+                   default="hermes",
+                   help="vLLM's flag; every name reads the same <tool_call> blocks, JSON inside "
+                        "(Hermes', Qwen3's) or XML (Qwen3.5's, Qwen3-Coder's)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (vLLM's flag)")  # fmt: skip

@@ -57,7 +57,7 @@ from .protocol import (
     TokenizeRequest,
     error_body,
 )
-from .reasoning import ReasoningStream
+from .reasoning import ReasoningStream, reply_parser
 from .responses import (
     ChoiceStream,
     chat_chunk,
@@ -170,9 +170,11 @@ class OpenAIServing:
             )  # fmt: skip
             if chat and body.tool_mode != "none":
                 function = body.tool_function()
-                choices[-1].tools = ToolCallStream(body.tool_mode, function and function.name)
+                choices[-1].tools = ToolCallStream(body.tool_mode, function and function.name,
+                                                   body.tool_schemas())  # fmt: skip
             if chat and self.config.reasoning_parser is not None:
-                choices[-1].reasoning = ReasoningStream(self.config.reasoning_parser)
+                parser = reply_parser(self.config.reasoning_parser, self.tokenizer, prompt)
+                choices[-1].reasoning = ReasoningStream(parser)
         meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
         if body.use_beam_search:
             return await self._beam_search(request_id, body, prompts, choices, meta, request)
@@ -364,8 +366,8 @@ class OpenAIServing:
                     sampling = body.sampling_params(len(prompt), config.max_model_len, choice,
                                                     config.sampling_defaults)  # fmt: skip
                     if thinks and sampling.structured_outputs is not None:
-                        structured = replace(sampling.structured_outputs,
-                                             reasoning=self.config.reasoning_parser)  # fmt: skip
+                        parser = reply_parser(config.reasoning_parser, self.tokenizer, prompt)
+                        structured = replace(sampling.structured_outputs, reasoning=parser)
                         sampling = replace(sampling, structured_outputs=structured)
                     params.append(sampling)
             return await self.llm.add_requests(request_id, expanded, params, body.priority)

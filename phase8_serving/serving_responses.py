@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from .async_engine import EngineDeadError, EngineStepError, RequestStream
 from .protocol import ChatCompletionRequest, InvalidRequest, ResponsesRequest
-from .reasoning import THINK_END, ReasoningStream
+from .reasoning import THINK_END, ReasoningStream, reply_parser
 from .responses import ChoiceStream, chat_logprobs
 from .serving_engine import (
     EngineStreamingResponse,
@@ -294,9 +294,11 @@ class ResponsesServing:
         choice = ChoiceStream(0, server.tokenizer)
         if chat.tool_mode != "none":
             function = chat.tool_function()
-            choice.tools = ToolCallStream(chat.tool_mode, function and function.name)
+            choice.tools = ToolCallStream(chat.tool_mode, function and function.name,
+                                          chat.tool_schemas())  # fmt: skip
         if self.config.reasoning_parser is not None:
-            choice.reasoning = ReasoningStream(self.config.reasoning_parser)
+            parser = reply_parser(self.config.reasoning_parser, server.tokenizer, prompts[0])
+            choice.reasoning = ReasoningStream(parser)
         if body.logprobs and choice.splits:
             raise InvalidRequest(
                 "include message.output_text.logprobs is not supported with tools or a "

@@ -13,7 +13,7 @@ import pytest
 
 from phase8_serving.api_server import build_app
 from phase8_serving.config import ServerConfig
-from phase8_serving.reasoning import ReasoningStream
+from phase8_serving.reasoning import ReasoningStream, reply_parser
 from phase8_serving.responses import ChoiceStream
 from phase8_serving.streaming import OutputDelta
 from phase8_serving.tool_calls import ToolCallStream
@@ -118,3 +118,30 @@ def test_a_chats_grammar_waits_for_its_thoughts(live_server, monkeypatch):
         None,
         None,
     ]
+
+
+def test_a_prompt_that_opens_the_thoughts_makes_the_reply_start_inside_them(live_server):
+    """Qwen3.5's template ends a thinking prompt with `<think>\\n`: the reply starts inside the
+    thoughts, so under --reasoning-parser qwen3 everything before `</think>` is reasoning (as
+    deepseek_r1's); a prompt whose think block is closed (thinking off) or absent keeps qwen3's
+    rule."""
+    tokenizer = live_server.llm.tokenizer
+    for tail, parser in (("<think>\n", "deepseek_r1"), ("<think>\n\n</think>\n\n", "qwen3"),
+                         ("assistant\n", "qwen3")):  # fmt: skip
+        assert reply_parser("qwen3", tokenizer, tokenizer.encode("prompt " + tail)) == parser
+    assert reply_parser("deepseek_r1", tokenizer, tokenizer.encode("x")) == "deepseek_r1"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12,
+            "structured_outputs": {"regex": "[a-z]{2}</think>[a-z]{2}"}}  # fmt: skip
+    split = {}
+    for name, template in (("opened", "{{ messages[0].content }}<think>\n"),
+                           ("plain", "{{ messages[0].content }}")):  # fmt: skip
+        config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, reasoning_parser="qwen3",
+                              chat_template=template)  # fmt: skip
+        url = live_server.host.serve(build_app(live_server.llm, config))
+        with httpx.Client(base_url=url, timeout=30) as http:
+            message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        split[name] = (message.get("reasoning_content"), message["content"])
+    reasoning, content = split["opened"]
+    assert len(reasoning) == 2 and len(content) == 2 and reasoning.isalpha()
+    plain_reasoning, plain_content = split["plain"]  # qwen3's rule: no opening tag, no thoughts
+    assert plain_reasoning is None and "</think>" in plain_content

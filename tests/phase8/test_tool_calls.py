@@ -7,18 +7,21 @@ pieces, which must add up to the whole response.
 """
 
 import json
+import re
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from phase8_serving.api_server import build_app
+from phase8_serving.config import ServerConfig
 from phase8_serving.protocol import ChatCompletionRequest
 from phase8_serving.serving_engine import OpenAIServing
 from phase8_serving.tokenizer import Tokenizer
 from phase8_serving.tool_calls import ToolCallStream, parse_hermes, parse_required
 from tests import assets
 
-from .conftest import assert_openai_error
+from .conftest import MODEL_NAME, assert_openai_error
 
 # short enough for the tiny server's context (48 byte tokens; a chat prompt takes 21)
 WEATHER = {"type": "object", "properties": {"c": {"enum": ["P", "O"]}, "d": {"type": "boolean"}},
@@ -59,6 +62,42 @@ def test_a_stream_sends_the_content_and_then_the_calls(pieces):
         calls += new_calls
     assert sent.rstrip() == "Let me check."  # a newline before the tag may already be out
     assert [c["function"]["name"] for c in calls] == ["w", "n"] and stream.called
+
+
+# Qwen3.5's (and Qwen3-Coder's) format: XML in the same tags, each value read by its schema
+XML_REPLY = (
+    "Checking.\n<tool_call>\n<function=w>\n<parameter=c>\nP\n</parameter>\n"
+    "<parameter=d>\ntrue\n</parameter>\n<parameter=extra>\n[1, 2]\n</parameter>\n"
+    "</function>\n</tool_call>\n<tool_call>\n<function=n>\n</function>\n</tool_call>"
+)
+SCHEMAS = {"w": WEATHER, "n": None}
+
+
+def test_xml_blocks_become_calls_with_values_typed_by_the_schema():
+    content, calls = parse_hermes(XML_REPLY, SCHEMAS)
+    assert content == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("w", {"c": "P", "d": True, "extra": [1, 2]}), ("n", {})]  # fmt: skip
+    numbers = {"type": "object", "properties": {"i": {"type": "integer"}, "x": {"type": "number"},
+                                                "s": {"type": "string"}}}  # fmt: skip
+    text = ("<tool_call><function=f><parameter=i>7</parameter><parameter=x>2.5</parameter>"
+            "<parameter=s>\n007\n</parameter><parameter=i2>eight</parameter></function>"
+            "</tool_call>")  # fmt: skip
+    (call,) = parse_hermes(text, {"f": numbers})[1]
+    assert json.loads(call["function"]["arguments"]) == {"i": 7, "x": 2.5, "s": "007",
+                                                         "i2": "eight"}  # fmt: skip
+    assert parse_hermes("<tool_call><function=f><parameter=a>1</tool_call>") is None  # cut short
+    assert parse_hermes("<tool_call><function=f></function>trailing</tool_call>") is None
+
+
+@pytest.mark.parametrize("cut", range(0, len(XML_REPLY) + 1, 7))
+def test_an_xml_stream_sends_the_content_and_then_the_calls(cut):
+    stream = ToolCallStream("auto", schemas=SCHEMAS)
+    first, _ = stream.feed(XML_REPLY[:cut], finished=False)
+    rest, calls = stream.feed(XML_REPLY[cut:], finished=True)
+    assert (first + rest).rstrip() == "Checking."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"c": "P", "d": True, "extra": [1, 2]}, {}]  # fmt: skip
 
 
 def test_text_that_only_looks_like_a_tag_is_released():
@@ -201,3 +240,22 @@ def test_bad_tool_requests_are_400s(http, case):
     error = assert_openai_error(chat(http, **body), 400)
     assert words in error["message"], error["message"]
     assert chat(http, tools=None, max_tokens=2).status_code == 200  # still serving
+
+
+def test_the_server_reads_an_xml_call_by_its_tools_schema(live_server):
+    """A Qwen3.5-style reply (forced by a regex: a random model writes it only so) comes back as
+    a call whose values are typed by the request's tool schema (`s` the string "7", not 7)."""
+    typed = {"type": "object", "properties": {"s": {"type": "string"}, "d": {"type": "boolean"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": typed}}]
+    config = ServerConfig(MODEL_NAME, 128, chat_template="{{ messages[0].content }}")  # 128: the
+    url = live_server.host.serve(build_app(live_server.llm, config))  # model's whole context
+    reply = "<tool_call><function=f><parameter=s>7</parameter><parameter=d>true</parameter>"
+    reply += "</function></tool_call>"
+    body = {"messages": MESSAGES, "tools": tools, "max_tokens": 120,
+            "structured_outputs": {"regex": re.escape(reply)}}  # fmt: skip
+    with httpx.Client(base_url=url, timeout=60) as http:
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "f" and choice["finish_reason"] == "tool_calls"
+    assert json.loads(call["function"]["arguments"]) == {"s": "7", "d": True}
+    live_server.wait_until_idle(timeout=2.0)
