@@ -11,11 +11,13 @@ Idea (vLLM's `--reasoning-parser`): the server splits each chat choice's text at
 - deepseek_r1: its template opens `<think>` in the prompt, so the reply starts inside the
   thoughts: everything before `</think>` is reasoning (all of it, if the tag never comes).
 Streamed, text goes out as reasoning until `</think>`, holding back a tail that could begin the
-tag (the hold-back rule of stop strings), then as content. The content is what tool calls are
-read from (tool_calls.py).
+tag (the hold-back rule of stop strings), then as content. A `<tool_call>` before `</think>` ends
+the thoughts too (Qwen3.5 may call a tool without closing them: vLLM's rule), and is content.
+The content is what tool calls are read from (tool_calls.py).
 """
 
 from .streaming import held_back_length
+from .tool_calls import TOOL_CALL_START
 
 THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -57,8 +59,15 @@ class ReasoningStream:
             content, self.sent = self.text[self.sent :], len(self.text)
             return "", content
         end = self.text.find(THINK_END, self.sent)
+        # Qwen3.5 may call a tool before closing its thoughts (vLLM's rule): the call ends them
+        call = self.text.find(TOOL_CALL_START, self.sent)
+        if call >= 0 and (end < 0 or call < end):
+            reasoning, self.thinking = self.text[self.sent : call], False
+            content, self.sent = self.text[call:], len(self.text)  # the call is content's
+            return reasoning, content
         if end < 0:
-            keep = 0 if finished else held_back_length(self.text[self.sent :], [THINK_END])
+            tags = [THINK_END, TOOL_CALL_START]
+            keep = 0 if finished else held_back_length(self.text[self.sent :], tags)
             stop = len(self.text) - keep
             reasoning, self.sent = self.text[self.sent : stop], stop
             return reasoning, ""

@@ -27,6 +27,8 @@ SPLITS = {  # parser, text -> (reasoning, content)
     ("qwen3", "<think>\ncut short"): ("cut short", ""),
     ("deepseek_r1", "The plan.</think>The answer."): ("The plan.", "The answer."),
     ("deepseek_r1", "Thoughts, never closed"): ("Thoughts, never closed", ""),
+    # Qwen3.5 may call a tool before closing its thoughts: the call ends them, and is content
+    ("deepseek_r1", "Plan.<tool_call>x</tool_call>"): ("Plan.", "<tool_call>x</tool_call>"),
 }
 
 
