@@ -34,6 +34,7 @@ import gc
 import importlib.metadata
 import logging
 import secrets
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -172,6 +173,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     if config.enable_dashboard:
         add_dashboard(app, llm, config.model_name)
+    if config.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     if config.allowed_origins:
         # outermost (added last): a browser's preflight carries no API key, and an error's
         # response needs the CORS headers too, or the page cannot read it
@@ -242,6 +245,26 @@ class LoadTrackingMiddleware:
             await self.app(scope, receive, send)
         finally:
             state.server_load -= 1
+
+
+class RequestIdHeaderMiddleware:
+    """Plain ASGI (vLLM's --enable-request-id-headers): every response carries X-Request-Id,
+    the request's own if it sent one (a proxy's trace id), else a new one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", given)]
+            await send(message)
+
+        await self.app(scope, receive, with_header)
 
 
 class ApiKeyMiddleware:

@@ -392,6 +392,7 @@ class ServerConfig:
     allow_credentials: bool = False
     model_aliases: tuple[str, ...] = ()  # other names requests may use for the model
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
+    enable_request_id_headers: bool = False  # every response carries X-Request-Id (vLLM's)
     # what a request leaves unset, sampled as the model's generation config recommends
     # (sampling_params.generation_defaults; `serve --generation-config`, vLLM's flag)
     sampling_defaults: dict[str, typing.Any] = dataclasses.field(default_factory=dict)

@@ -79,6 +79,8 @@ BadWords = Annotated[list[str], Field(max_length=MAX_BAD_WORDS)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 Bias = Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]
 STRICT = ConfigDict(strict=True, extra="forbid")  # "3" is not a number; unknown fields are 400s
+# a client's request id: printable ASCII, as an HTTP header carries it (X-Request-Id)
+RequestId = Annotated[str, Field(pattern=r"^[\x21-\x7e]{1,256}$")]
 
 
 def unsupported(detail: str = "") -> PydanticCustomError:
@@ -199,6 +201,8 @@ class SamplingRequest(BaseModel):
     length_penalty: float = Field(1.0, ge=-MAX_ABS_LENGTH_PENALTY, le=MAX_ABS_LENGTH_PENALTY)
     # vLLM's: lower runs first, under --scheduling-policy priority (0 otherwise)
     priority: int = Field(0, ge=MIN_SEED, le=MAX_SEED)
+    # vLLM's: the response's id is "<kind>-<request_id>" (an X-Request-Id header wins)
+    request_id: RequestId | None = None
 
     @field_validator("bad_words")
     @classmethod
@@ -941,6 +945,7 @@ class ResponsesRequest(BaseModel):
     stop: NonEmptyStr | StopList | None = None
     chat_template_kwargs: dict[str, str | bool | int | float | None] | None = None
     priority: int = Field(0, ge=MIN_SEED, le=MAX_SEED)
+    request_id: RequestId | None = None
 
     @field_validator("tools", mode="before")
     @classmethod

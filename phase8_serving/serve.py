@@ -60,6 +60,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
     p.add_argument("--ssl-ca-certs", default=None,
                    help="CA certificates to verify clients' certificates with")  # fmt: skip
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the request's own, else a new "
+                        "one (vLLM's flag)")  # fmt: skip
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc or /openapi.json (vLLM's flag)")  # fmt: skip
     # vLLM's flags that ask for what this server does anyway, accepted for its command lines
@@ -227,6 +230,7 @@ def serve(args: argparse.Namespace) -> None:
             allowed_headers=tuple(args.allowed_headers),
             allow_credentials=args.allow_credentials,
             model_aliases=tuple(aliases), disable_fastapi_docs=args.disable_fastapi_docs,
+            enable_request_id_headers=args.enable_request_id_headers,
         )  # fmt: skip
         log_kv_capacity(llm.info, len(llm.client.cores), config.max_model_len)
         app = build_app(llm, config)

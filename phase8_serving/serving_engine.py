@@ -31,6 +31,7 @@ import functools
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -73,6 +74,7 @@ from .tool_calls import ToolCallStream
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # protocol.RequestId's rule, for the header
 
 try:  # the fastest JSON encoder installed: orjson, then msgspec, then the standard library
     import orjson
@@ -124,6 +126,20 @@ class OpenAIServing:
                 f"The model `{model}` does not exist.", "model", 404, "model_not_found"
             )
 
+    def ids(self, kind: str, body, request: Request, sep: str = "-") -> tuple[str, str]:
+        """-> (the response's id, this server's own id for the request: its engine requests'
+        and its log lines'). A client may name the request (vLLM's X-Request-Id header, or the
+        body's `request_id`): the response's id is then "<kind><sep><name>", and the server's
+        id that with a random suffix, as two requests may share a name."""
+        own = uuid.uuid4().hex
+        name = request.headers.get("x-request-id") or body.request_id
+        if name is None:
+            return f"{kind}{sep}{own}", f"{kind}{sep}{own}"
+        if not REQUEST_ID.fullmatch(name):
+            raise InvalidRequest("X-Request-Id must be 1 to 256 printable ASCII characters",
+                                 "request_id")  # fmt: skip
+        return f"{kind}{sep}{name}", f"{kind}{sep}{name}-{own[:12]}"
+
     def check_priority(self, priority: int) -> None:
         """Before any tokenizing: a priority other than 0 needs --scheduling-policy priority."""
         try:
@@ -147,7 +163,7 @@ class OpenAIServing:
             prompts = self.prompt_token_ids(body)  # nothing to tokenize: no hop to a thread
         else:
             prompts = await self.llm.run_in_tokenizer_pool(self.prompt_token_ids, body)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        response_id, request_id = self.ids("chatcmpl" if chat else "cmpl", body, request)
         if not body.echo:
             echoed = None
         elif chat:  # vLLM's: the final message's content, if the reply goes on in its role
@@ -175,7 +191,7 @@ class OpenAIServing:
             if chat and self.config.reasoning_parser is not None:
                 parser = reply_parser(self.config.reasoning_parser, self.tokenizer, prompt)
                 choices[-1].reasoning = ReasoningStream(parser)
-        meta = {"id": request_id, "created": int(time.time()), "model": self.config.model_name}
+        meta = {"id": response_id, "created": int(time.time()), "model": self.config.model_name}
         if body.use_beam_search:
             return await self._beam_search(request_id, body, prompts, choices, meta, request)
         stream = await self.open_requests(request_id, body, prompts)  # closed however this ends

@@ -305,19 +305,19 @@ class ResponsesServing:
                 "reasoning parser (the logprobs would cover text that is not the message)",
                 "include",
             )
-        response_id = new_id("resp")
+        response_id, request_id = server.ids("resp", body, request, sep="_")  # OpenAI's resp_
         if self.config.enable_log_requests:
-            logger.info("%s: %d prompt tokens, stream=%s", response_id, len(prompts[0]),
+            logger.info("%s: %d prompt tokens, stream=%s", request_id, len(prompts[0]),
                         bool(body.stream))  # fmt: skip
         try:
-            stream = await server.open_requests(response_id, chat, prompts)
+            stream = await server.open_requests(request_id, chat, prompts)
         except InvalidRequest as e:
             raise InvalidRequest(str(e), CHAT_TO_RESPONSES.get(e.param, e.param)) from None
         output = OutputItems(choice, bool(body.stream), body.logprobs)
         shell = self._shell(response_id, body)
         if body.stream:
             events = self._events(stream, output, shell, body, prompts[0], messages)
-            return EngineStreamingResponse(events, stream, response_id)
+            return EngineStreamingResponse(events, stream, request_id)
         try:
             client_left = await unless_disconnected(request, _collect(stream, output))
         except (EngineStepError, EngineDeadError) as e:

@@ -19,6 +19,7 @@ A logit bias of +100 forces a token under greedy decoding, so every test here is
 """
 
 import asyncio
+import concurrent.futures
 import json
 import time
 import uuid
@@ -875,3 +876,36 @@ def test_a_template_variable_named_tokenize_is_a_400(http):
     body = {"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"tokenize": True}}
     error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "messages")
     assert "tokenize" in error["message"]
+
+
+def test_a_client_names_its_request(live_server, http):
+    """vLLM's request ids: the body's `request_id`, or an X-Request-Id header (which wins),
+    names the response ("chatcmpl-<name>", "cmpl-<name>", the Responses API's "resp_<name>");
+    two requests of one name at once both run; --enable-request-id-headers echoes the header,
+    or makes one."""
+    chat = {"messages": MESSAGES, "max_tokens": 2}
+    assert "x-request-id" not in http.post("/v1/chat/completions", json=chat).headers  # off
+    config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, enable_request_id_headers=True)
+    url = live_server.host.serve(build_app(live_server.llm, config))
+    with httpx.Client(base_url=url, timeout=30) as named:
+        reply = named.post("/v1/chat/completions", json={**chat, "request_id": "abc"})
+        assert reply.json()["id"] == "chatcmpl-abc" and reply.headers["x-request-id"]
+        traced = named.post("/v1/chat/completions", json={**chat, "request_id": "abc"},
+                            headers={"x-request-id": "trace-1"})  # fmt: skip
+        assert traced.json()["id"] == "chatcmpl-trace-1"
+        assert traced.headers["x-request-id"] == "trace-1"
+        body = {"prompt": "hi", "max_tokens": 2, "request_id": "abc"}
+        assert named.post("/v1/completions", json=body).json()["id"] == "cmpl-abc"
+        response = named.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                                     "request_id": "abc"})  # fmt: skip
+        assert response.json()["id"] == "resp_abc"
+        streamed = {**body, "max_tokens": 8, "stream": True, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # one name, two requests at once
+            replies = list(pool.map(lambda _: named.post("/v1/completions", json=streamed),
+                                    range(2)))  # fmt: skip
+        assert [r.status_code for r in replies] == [200, 200]
+        assert all(r.text.endswith("data: [DONE]\n\n") for r in replies)
+        assert_openai_error(named.post("/v1/completions", json={**body, "request_id": "a b"}),
+                            400, "request_id")  # fmt: skip
+        spaced = named.post("/v1/completions", json=body, headers={"x-request-id": "a b"})
+        assert_openai_error(spaced, 400, "request_id")
