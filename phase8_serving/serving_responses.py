@@ -113,10 +113,9 @@ class OutputItems:
     """A response's output items, built from a choice's split text as it arrives; with
     `streaming`, also the events that tell a client so (`take_events`)."""
 
-    def __init__(self, choice: ChoiceStream, streaming: bool, logprobs: bool):
+    def __init__(self, choice: ChoiceStream, streaming: bool):
         self.choice = choice
         self.streaming = streaming
-        self.logprobs = logprobs
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item text goes into
         self.trim: SeamTrim | None = None  # its seam rule, where the text is split
@@ -313,7 +312,7 @@ class ResponsesServing:
             stream = await server.open_requests(request_id, chat, prompts)
         except InvalidRequest as e:
             raise InvalidRequest(str(e), CHAT_TO_RESPONSES.get(e.param, e.param)) from None
-        output = OutputItems(choice, bool(body.stream), body.logprobs)
+        output = OutputItems(choice, bool(body.stream))  # logprobs come if the chat asked
         shell = self._shell(response_id, body)
         if body.stream:
             events = self._events(stream, output, shell, body, prompts[0], messages)

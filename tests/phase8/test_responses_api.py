@@ -225,7 +225,7 @@ THINKING = (
 def items_of(pieces: list[str], streaming: bool) -> tuple[list[dict], list[dict]]:
     choice = ChoiceStream(0, tokenizer=None)
     choice.reasoning, choice.tools = ReasoningStream("qwen3"), ToolCallStream("auto")
-    output = OutputItems(choice, streaming, logprobs=False)
+    output = OutputItems(choice, streaming)
     for i, piece in enumerate(pieces):
         delta = OutputDelta(piece, [], None, "stop" if i == len(pieces) - 1 else None)
         choice.add(delta)
