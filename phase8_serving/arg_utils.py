@@ -93,8 +93,11 @@ def add_vllm_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if flag in parser._option_string_actions:
             continue
+        accepted = " or ".join(map(repr, neutral if isinstance(neutral, tuple) else (neutral,)))
         meaning = f"vLLM's; changes nothing here: {why}" if name in VLLM_IGNORED else (
-            f"vLLM's; only {neutral!r} is accepted: {why}")  # fmt: skip
+            f"vLLM's; only {accepted} is accepted: {why}")  # fmt: skip
+        if isinstance(neutral, tuple):  # several values ask for nothing: the first is the default
+            neutral = neutral[0]
         if isinstance(neutral, bool):
             parser.add_argument(flag, dest=VLLM_PREFIX + name, action="store_true", help=meaning)
         else:

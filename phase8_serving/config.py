@@ -263,9 +263,12 @@ def check_gpu_memory_utilization(value: object) -> None:
 
 # vLLM's names for this engine's fields, where they differ (EngineArgs, `LLM(**kwargs)`)
 VLLM_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
-# vLLM arguments that mean nothing here, each with the value that asks for nothing: accepted at
-# that value, refused at any other (with the reason, or where to look instead)
+# vLLM arguments that mean nothing here, each with the value that asks for nothing (or a tuple of
+# them, the first the flag's default): accepted at that value, refused at any other (with the
+# reason, or where to look instead)
 VLLM_UNSUPPORTED = {
+    "task": (("auto", "generate"), "this engine generates text; there is no pooling runner"),
+    "runner": (("auto", "generate"), "this engine generates text; there is no pooling runner"),
     "tokenizer": (None, "the tokenizer is always the checkpoint's own"),
     "tokenizer_mode": ("auto", "the tokenizer is always the checkpoint's tokenizer.json"),
     "skip_tokenizer_init": (False, "the engine always loads the checkpoint's tokenizer"),
@@ -335,10 +338,12 @@ def engine_config(caller: str, kwargs: dict[str, object], others: tuple[str, ...
             continue
         if name in VLLM_UNSUPPORTED:
             neutral, why = VLLM_UNSUPPORTED[name]
-            if value != neutral:
+            accepted = neutral if isinstance(neutral, tuple) else (neutral,)
+            if value not in accepted:
+                spelled = " or ".join(f"{name}={v!r}" for v in accepted)
                 raise ValueError(
                     f"{caller}(): vLLM's {name}={value!r} is not supported here ({why}); "
-                    f"only {name}={neutral!r}, which changes nothing, is accepted"
+                    f"only {spelled}, which changes nothing, is accepted"
                 )
             continue
         target = VLLM_ALIASES.get(name, name)

@@ -48,7 +48,11 @@ def test_an_unknown_argument_is_named_with_the_known_ones():
 
 def test_a_vllm_argument_not_supported_here_is_named():
     for name, (neutral, _) in VLLM_UNSUPPORTED.items():
-        engine_config("LLM", {name: neutral}, ())  # what asks for nothing passes
+        for value in neutral if isinstance(neutral, tuple) else (neutral,):
+            engine_config("LLM", {name: value}, ())  # what asks for nothing passes
+    engine_config("LLM", {"task": "generate", "runner": "auto"}, ())  # LLM(model, task=...)
+    with pytest.raises(ValueError, match=r"task='embed' .* only task='auto' or task='generate'"):
+        engine_config("LLM", {"task": "embed"}, ())
     with pytest.raises(ValueError, match=r"vLLM's quantization='awq' is not supported here"):
         LLM(quantization="awq", **CPU)
     with pytest.raises(ValueError, match=r"vLLM's swap_space=4 .*preemption_mode='swap'"):
