@@ -189,6 +189,20 @@ def client(live_server):
     live_server.wait_until_idle(timeout=1.0)
 
 
+@pytest.fixture
+def sent_params(live_server, monkeypatch) -> list:
+    """The `SamplingParams` of every engine request the live server's front end sends during
+    the test (what a request's fields became), in order; the requests still run."""
+    sent, add = [], live_server.llm.add_requests
+
+    async def spy(request_id, prompts, params, *rest):
+        sent.extend(params)
+        return await add(request_id, prompts, params, *rest)
+
+    monkeypatch.setattr(live_server.llm, "add_requests", spy)
+    return sent
+
+
 def wait_for_health(url: str, *processes: subprocess.Popen, timeout_s: float = 120) -> None:
     """Polls `url`/health until it answers 200; fails at once if one of `processes` (a server
     started as a command, and whatever it needs) has exited, and after `timeout_s` (import +

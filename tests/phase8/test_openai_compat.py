@@ -824,19 +824,13 @@ def test_finished_request_stats_are_vllms_intervals():
     assert build_1_2_5_buckets(128) == [1, 2, 5, 10, 20, 50, 100]
 
 
-def test_the_generation_config_fills_what_a_request_leaves_unset(live_server, monkeypatch):
+def test_the_generation_config_fills_what_a_request_leaves_unset(live_server, sent_params):
     """`serve --generation-config auto` (vLLM's default): the model's recommended sampling is
     used for the fields a request does not send, on every generation endpoint; what it sends
     wins. A completion's max_tokens is OpenAI's 16 when unset, as in vLLM."""
     defaults = {"temperature": 0.0, "top_k": 20, "max_tokens": 3}
     config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, sampling_defaults=defaults)
-    sent, add = [], live_server.llm.add_requests
-
-    async def spy(request_id, prompts, params, *rest):
-        sent.extend(params)
-        return await add(request_id, prompts, params, *rest)
-
-    monkeypatch.setattr(live_server.llm, "add_requests", spy)
+    sent = sent_params
     url = live_server.host.serve(build_app(live_server.llm, config))
     bodies = [("/v1/chat/completions", {"messages": MESSAGES}),
               ("/v1/chat/completions", {"messages": MESSAGES, "temperature": 0.5, "top_k": -1,

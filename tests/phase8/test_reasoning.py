@@ -95,18 +95,12 @@ def test_the_server_sends_reasoning_content(live_server):
         ServerConfig(MODEL_NAME, MAX_MODEL_LEN, reasoning_parser="other")
 
 
-def test_a_chats_grammar_waits_for_its_thoughts(live_server, monkeypatch):
+def test_a_chats_grammar_waits_for_its_thoughts(live_server, sent_params):
     """Under a reasoning parser a chat's structured output starts after `</think>`
     (`StructuredOutputsParams.reasoning`, which the engine's grammar reads); a completion's text
     is never split, so its grammar starts at once."""
     config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, reasoning_parser="deepseek_r1")
-    sent, add = [], live_server.llm.add_requests
-
-    async def spy(request_id, prompts, params, *rest):
-        sent.extend(params)
-        return await add(request_id, prompts, params, *rest)
-
-    monkeypatch.setattr(live_server.llm, "add_requests", spy)
+    sent = sent_params
     url = live_server.host.serve(build_app(live_server.llm, config))
     grammar = {"structured_outputs": {"json_object": True}, "max_tokens": 4}
     with httpx.Client(base_url=url, timeout=30) as http:
