@@ -429,7 +429,9 @@ def test_a_deployment_command_line_of_vllms_runs():
 
 def test_https_with_the_ssl_flags(live_server):
     """--ssl-keyfile and --ssl-certfile reach uvicorn: the server answers over HTTPS, to a
-    client that trusts the certificate."""
+    client that trusts the certificate (tests/phase8/data: a self-signed one for 127.0.0.1 made
+    for this test alone, `openssl req -x509 -newkey rsa:2048 -nodes -days 36500 -subj
+    /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1,DNS:localhost`)."""
     data = Path(__file__).parent / "data"
     args = build_parser().parse_args(["serve", "--ssl-keyfile", str(data / "localhost.key"),
                                       "--ssl-certfile", str(data / "localhost.crt")])  # fmt: skip
