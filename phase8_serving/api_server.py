@@ -7,8 +7,9 @@ at the door (protocol.py), then `OpenAIServing` (serving_engine.py) turns it int
 hands the order to the kitchen (`AsyncLLM`) and carries the dishes back, at once or course by
 course as server-sent events. This file holds the routes and what guards all of them.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET or DELETE
-/v1/responses/{id} (OpenAI's Responses API, serving_responses.py), GET /v1/models,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET or DELETE
+/v1/responses/{id} and GET /v1/responses/{id}/input_items (OpenAI's Responses API,
+serving_responses.py), GET /v1/models,
 GET /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's: a prompt's or a chat's token
 ids, and back),
 GET /version, GET /health, GET /metrics (Prometheus text), GET /openapi.json (FastAPI's, from
@@ -113,6 +114,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
         return responses.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
+    ) -> dict:
+        return responses.input_items(response_id, after, limit, order)
 
     def card(name: str) -> dict:
         return model_card(name, config.max_model_len, config.model_root)

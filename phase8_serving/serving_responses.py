@@ -51,6 +51,8 @@ from .streaming import OutputDelta
 from .tool_calls import ToolCallStream
 
 logger = logging.getLogger(__name__)
+MAX_ITEMS_PAGE = 100  # input items a page lists at most (OpenAI's limit)
+Stored = tuple[dict, list[dict], list[dict]]  # (the response, its conversation, its input items)
 # chat's names for the fields a Responses request spells otherwise, for errors
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                      "max_tokens": "max_output_tokens", "response_format": "text",
@@ -64,18 +66,20 @@ def new_id(prefix: str) -> str:
 class ResponseStore:
     """The newest `capacity` stored responses, by id, each with the chat messages of its
     conversation (its input and its output, not its instructions: OpenAI does not carry those
-    over to the next response)."""
+    over to the next response) and its own input items, as GET .../input_items lists them."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.entries: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
 
-    def put(self, response: dict, messages: list[dict]) -> None:
-        self.entries[response["id"]] = (response, messages)
+    def put(self, response: dict, messages: list[dict], items: list[dict]) -> None:
+        self.entries[response["id"]] = (response, messages, items)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)  # the oldest goes
 
-    def get(self, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
+    def get(
+        self, response_id: str, param: str | None = None
+    ) -> tuple[dict, list[dict], list[dict]]:
         found = self.entries.get(response_id)
         if found is None:
             raise InvalidRequest(f"Response with id '{response_id}' not found.", param, 404,
@@ -258,6 +262,26 @@ class ResponsesServing:
         self.store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> dict:
+        """GET /v1/responses/{id}/input_items: the stored response's own input items (not its
+        previous responses'), newest first unless `order` is "asc", `limit` a page, `after` an
+        item's id to page on from."""
+        if not 1 <= limit <= MAX_ITEMS_PAGE:
+            raise InvalidRequest(f"limit must be in [1, {MAX_ITEMS_PAGE}], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest(f"order must be 'asc' or 'desc', got {order!r}", "order")
+        items = self.store.get(response_id)[2]
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise InvalidRequest(f"after: no input item {after!r} in this response", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit}  # fmt: skip
+
     def _chat(self, body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict]]:
         """The chat this request is, and its conversation's messages (without instructions)."""
         history = []
@@ -384,7 +408,7 @@ class ResponsesServing:
             },
         }
         if body.store:
-            self.store.put(response, messages + [_as_message(output.items)])
+            self.store.put(response, messages + [_as_message(output.items)], listed_items(body))
         return response
 
     def _reasoning_tokens(self, output: OutputItems) -> int:
@@ -427,6 +451,25 @@ class ResponsesServing:
             stream.close()
             tail = _events(output.take_events())
         yield tail
+
+
+def listed_items(body: ResponsesRequest) -> list[dict]:
+    """The request's input as OpenAI lists it: each item with an id (its own, or a new one)
+    and a status, a message's text as parts."""
+    if isinstance(body.input, str):
+        part = {"type": "input_text", "text": body.input}
+        return [{"id": new_id("msg"), "type": "message", "role": "user", "content": [part],
+                 "status": "completed"}]  # fmt: skip
+    listed = []
+    for item in body.input:
+        fields = item.model_dump(exclude_none=True)
+        if item.type == "message" and isinstance(item.content, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            fields["content"] = [{"type": kind, "text": item.content}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}[item.type]  # fmt: skip
+        listed.append({**fields, "id": item.id or new_id(prefix), "status": "completed"})
+    return listed
 
 
 def _as_message(items: list[dict]) -> dict:

@@ -111,6 +111,31 @@ def test_a_conversation_goes_on_from_a_stored_response(client, http):
     assert_openai_error(http.get(f"/v1/responses/{unstored.id}"), 404)
 
 
+def test_a_stored_responses_input_items_are_listed(client, http):
+    """GET /v1/responses/{id}/input_items (the SDK's `responses.input_items.list`): the
+    response's own input (not its predecessors'), each item with an id, newest first, in pages."""
+    history = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"},
+               {"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                "text": "C"}]}]  # fmt: skip
+    first = client.responses.create(model=MODEL_NAME, input=history, max_output_tokens=1)
+    short = client.responses.create(model=MODEL_NAME, input="A", max_output_tokens=1)
+    second = client.responses.create(model=MODEL_NAME, input="D", previous_response_id=short.id,
+                                     max_output_tokens=1)  # fmt: skip
+    listed = client.responses.input_items.list(first.id, order="asc")
+    assert [(i.role, i.content[0].text) for i in listed.data] == [
+        ("user", "A"), ("assistant", "B"), ("user", "C")]  # fmt: skip
+    assert all(i.id for i in listed.data) and not listed.has_more
+    newest = client.responses.input_items.list(first.id, limit=2)
+    assert [i.content[0].text for i in newest.data] == ["C", "B"] and newest.has_more
+    rest = client.responses.input_items.list(first.id, limit=2, after=newest.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["A"]
+    (own,) = client.responses.input_items.list(second.id).data
+    assert own.content[0].text == "D"
+    assert_openai_error(http.get(f"/v1/responses/{first.id}/input_items?limit=0"), 400, "limit")
+    assert_openai_error(http.get(f"/v1/responses/{first.id}/input_items?after=x"), 400, "after")
+    assert_openai_error(http.get("/v1/responses/resp_none/input_items"), 404)
+
+
 def test_function_calls_and_their_outputs_are_chat_messages(client, http):
     """A named tool choice comes back as a function_call item whose arguments fit the schema
     (streamed as argument deltas); sent back with its output, the two are the chat's assistant
@@ -205,7 +230,7 @@ def test_after_hostile_requests_the_server_still_answers(http):
 def test_the_store_keeps_the_newest(live_server):
     store = ResponseStore(capacity=2)
     for i in range(3):
-        store.put({"id": str(i)}, [])
+        store.put({"id": str(i)}, [], [])
     assert list(store.entries) == ["1", "2"]
     config = ServerConfig(MODEL_NAME, MAX_MODEL_LEN, max_stored_responses=0)
     url = live_server.host.serve(build_app(live_server.llm, config))
