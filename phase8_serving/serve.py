@@ -88,8 +88,8 @@ def add_serve_parser(subparsers) -> None:
     )
     for what in ("origins", "methods", "headers"):
         p.add_argument(f"--allowed-{what}", type=json_list, default=["*"],
-                       help=f"CORS: the {what} a browser page on another origin may use, as a "
-                            f'JSON list (default ["*"]; vLLM\'s flag)')  # fmt: skip
+                       help=f"CORS, a JSON list: the {what} allowed to a browser page served "
+                            "from another origin (vLLM's flag)")  # fmt: skip
     p.add_argument(
         "--allow-credentials",
         action="store_true",
