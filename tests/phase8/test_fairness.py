@@ -42,40 +42,44 @@ def make_engine(directory, module=phase8_serving, **config):
 
 
 def add_big(
-    engine, prompt_len: int, prompts: int = 1, group_id: str | None = "big", seeded: bool = False
-) -> None:
+    engine, prompt_len: int, prompts: int = 1, group_id: str | None = "big", seeded: bool = False,
+    priority: int = 0,
+) -> None:  # fmt: skip
     """The big request: N sequences, choices of `prompts` different prompts (one group, as the
     server sends a request's prompts x n); greedy, or sampled with a seed per choice."""
     for i in range(N):
         sampling = dict(temperature=0.8, seed=i) if seeded else dict(temperature=0.0)
         params = SamplingParams(max_tokens=BIG_TOKENS, ignore_eos=True, **sampling)
         prompt = [(7 * j + i % prompts) % 250 + 1 for j in range(prompt_len)]
-        engine.add_request(prompt, params, f"big-{i}", group_id=group_id)
+        engine.add_request(prompt, params, f"big-{i}", group_id=group_id, priority=priority)
 
 
-def add_chat(engine, max_tokens: int = CHAT_TOKENS) -> str:
+def add_chat(engine, max_tokens: int = CHAT_TOKENS, priority: int = 0) -> str:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return engine.add_request(list(range(30, 70)), params, "chat")  # its own group
+    return engine.add_request(list(range(30, 70)), params, "chat", priority=priority)  # alone
 
 
 def run(
-    engine, chat_at: int | None = ARRIVAL_STEP, chat_tokens: int = CHAT_TOKENS
-) -> tuple[int | None, dict[str, list[int]]]:
+    engine, chat_at: int | None = ARRIVAL_STEP, chat_tokens: int = CHAT_TOKENS,
+    chat_priority: int = 0, chat_yields: bool = False,
+) -> tuple[int | None, dict[str, list[int]]]:  # fmt: skip
     """Steps until done (the chat added after `chat_at` steps); checks the invariants and that
-    the chat is never preempted. -> (steps from the chat's arrival to its first token, tokens)."""
+    the chat is never preempted (unless it may yield). -> (steps from the chat's arrival to its
+    first token, tokens)."""
     tokens: dict[str, list[int]] = {}
     steps, first_token = 0, None
     while engine.has_unfinished_requests() or steps <= (chat_at or 0):
         if steps == chat_at:
             arrival = steps
-            add_chat(engine, chat_tokens)
+            add_chat(engine, chat_tokens, chat_priority)
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.request_id == "chat" and first_token is None:
                 first_token = steps + 1 - arrival
         steps += 1
         engine.scheduler.check_invariants()
-        assert "chat" not in [s.request_id for s in engine.last_schedule.preempted]
+        if not chat_yields:
+            assert "chat" not in [s.request_id for s in engine.last_schedule.preempted]
     return first_token, tokens
 
 

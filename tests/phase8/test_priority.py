@@ -28,9 +28,11 @@ from .test_fairness import (
     FIRST_TOKEN_STEPS,
     W_LIKE,
     N,
+    add_big,
     make_engine,
     random_engine,
     random_requests,
+    run,
     run_arrivals,
     schedules,
     spread_dir,  # noqa: F401 (a fixture)
@@ -44,29 +46,14 @@ def chat_first_token(
     chat_tokens: int = CHAT_TOKENS,
 ) -> tuple[int | None, dict, int]:  # fmt: skip
     """The big request (N choices, each its own request, priority 1), then the chat at its
-    arrival step: -> (steps from its arrival to its first token, every request's tokens)."""
+    arrival step (never preempted if its priority is better): -> (steps from its arrival to its
+    first token, every request's tokens, the preemptions)."""
     config, prompt_len, prompts, arrives = CONSTRAINTS[constraint]
-    arrival = arrives if arrival is None else arrival
     engine = make_engine(directory, **{"max_num_seqs": 32, "max_num_batched_tokens": 256,
                                        **config, **PRIORITY})  # fmt: skip
-    for i in range(N):
-        params = SamplingParams(temperature=0.0, max_tokens=BIG_TOKENS, ignore_eos=True)
-        prompt = [(7 * j + i % prompts) % 250 + 1 for j in range(prompt_len)]
-        engine.add_request(prompt, params, f"big-{i}", priority=1)
-    tokens: dict[str, list[int]] = {}
-    steps, first_token = 0, None
-    while engine.has_unfinished_requests() or steps <= arrival:
-        if steps == arrival:
-            params = SamplingParams(temperature=0.0, max_tokens=chat_tokens, ignore_eos=True)
-            engine.add_request(list(range(30, 70)), params, "chat", priority=chat_priority)
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.request_id == "chat" and first_token is None:
-                first_token = steps + 1 - arrival
-        steps += 1
-        engine.scheduler.check_invariants()
-        if chat_priority < 1:  # a better priority is never the one that gives way
-            assert "chat" not in [s.request_id for s in engine.last_schedule.preempted]
+    add_big(engine, prompt_len, prompts, group_id=None, priority=1)
+    first_token, tokens = run(engine, arrives if arrival is None else arrival, chat_tokens,
+                              chat_priority, chat_yields=chat_priority >= 1)  # fmt: skip
     return first_token, tokens, engine.num_preemptions
 
 
