@@ -198,6 +198,7 @@ class LLMRequest:
 
     parent: "ParentRequest | None" = None  # the request of n > 1 it is choice `index` of
     index: int = 0
+    cumulative_logprob: float = 0.0  # of the tokens output so far (if it asked for logprobs)
 
     @property
     def detokenized_at_end(self) -> bool:
@@ -868,12 +869,12 @@ class LLM:
                                 prompt_logprobs=request.prompt_logprobs)  # fmt: skip
 
     def _request_output(self, llm_request: LLMRequest, delta: OutputDelta) -> RequestOutput:
-        request = llm_request.request
-        seq = request.seq
+        seq = llm_request.request.seq
         logprobs = None if delta.logprobs is None else list(delta.logprobs)
-        cumulative = None  # every token's so far, whatever this output carries
-        if seq.params.logprobs is not None:
-            cumulative = sum(lp.logprob for lp in request.logprobs)
+        cumulative = None  # every token's so far: this output's added to the earlier ones'
+        if logprobs is not None:
+            llm_request.cumulative_logprob += sum(lp.logprob for lp in logprobs)
+            cumulative = llm_request.cumulative_logprob
         completion = CompletionOutput(llm_request.index, delta.text, list(delta.token_ids),
                                       delta.finish_reason, logprobs, delta.stop_reason,
                                       cumulative)  # fmt: skip

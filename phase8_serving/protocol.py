@@ -770,14 +770,20 @@ def _joined(content: "str | list[ResponsesTextPart]") -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-class ResponsesMessage(BaseModel):
+class ResponsesItem(BaseModel):
+    """What every input item may carry: a reply's items, sent back in a history, have an id and
+    a status."""
+
     model_config = STRICT
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesMessage(ResponsesItem):
     type: Literal["message"] = "message"
     # developer is OpenAI's name for system; the chat template sees "system"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ResponsesTextPart]
-    id: str | None = None  # what a reply's message item carries, sent back in a history
-    status: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -785,27 +791,21 @@ class ResponsesMessage(BaseModel):
         return _text_parts(value, "content")
 
 
-class ResponsesFunctionCall(BaseModel):
+class ResponsesFunctionCall(ResponsesItem):
     """A call the model made (a reply's function_call item, sent back in a history)."""
 
-    model_config = STRICT
     type: Literal["function_call"]
     call_id: NonEmptyStr
     name: NonEmptyStr
     arguments: str  # JSON text
-    id: str | None = None
-    status: str | None = None
 
 
-class ResponsesFunctionCallOutput(BaseModel):
+class ResponsesFunctionCallOutput(ResponsesItem):
     """What the client's function returned, for the call with this call_id."""
 
-    model_config = STRICT
     type: Literal["function_call_output"]
     call_id: NonEmptyStr
     output: str | list[ResponsesTextPart]
-    id: str | None = None
-    status: str | None = None
 
     @field_validator("output", mode="before")
     @classmethod
@@ -819,17 +819,14 @@ class ReasoningText(BaseModel):
     text: str
 
 
-class ResponsesReasoning(BaseModel):
+class ResponsesReasoning(ResponsesItem):
     """A reply's reasoning item sent back in a history: the template sees it as the next
     assistant message's `reasoning_content` (Qwen3's renders it in the latest turn)."""
 
-    model_config = STRICT
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[ReasoningText] = []
     content: list[ReasoningText] | None = None
     encrypted_content: None = None  # nothing here encrypts
-    status: str | None = None
 
 
 def input_item_kind(value: Any) -> str:

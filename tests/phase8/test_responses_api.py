@@ -15,6 +15,7 @@ from openai.types.responses import Response
 
 from phase8_serving.api_server import build_app
 from phase8_serving.config import ServerConfig
+from phase8_serving.protocol import ResponsesRequest
 from phase8_serving.reasoning import ReasoningStream
 from phase8_serving.responses import ChoiceStream
 from phase8_serving.serving_responses import OutputItems, ResponseStore, SeamTrim
@@ -286,3 +287,50 @@ def test_reasoning_content_and_calls_become_items_however_the_text_is_cut():
 def test_seam_trim_holds_a_trailing_run_until_text_follows():
     trim = SeamTrim()
     assert [trim.feed(t) for t in ["\n\n", "a \n", "\n", "b", " "]] == ["", "a", "", " \n\nb", ""]
+
+
+HOSTILE = [None, -1, 0, 1, 2**63, -(2**63) - 1, 1e308, float("nan"), float("inf"), True, "x", "",
+           "\x00", [], [1], ["x"], [[]], [None], {}, {"a": 1}, {"type": "x"},
+           {"type": "function", "name": "f"}, {"format": {"type": "json_object"}},
+           [{"type": "function", "name": "f"}], [{"role": "user", "content": "hi"}],
+           [{"type": "input_text", "text": "hi"}], "a" * 70000]  # fmt: skip
+ITEM_BASES = {
+    "message": {"role": "user", "content": "hi"},
+    "function_call": {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+    "function_call_output": {"type": "function_call_output", "call_id": "c", "output": "o"},
+    "reasoning": {"type": "reasoning", "summary": []},
+}
+
+
+def hostile_bodies():
+    """Every request field and every input item field at each hostile value (streamed too)."""
+    base = {"input": "hi", "max_output_tokens": 3, "temperature": 0}
+    for field in ResponsesRequest.model_fields:
+        for value in HOSTILE:
+            yield {**base, field: value}
+            yield {**base, field: value, "stream": True}
+    keys = ("type", "role", "content", "call_id", "name", "arguments", "output", "summary", "id",
+            "status", "encrypted_content")  # fmt: skip
+    for item in ITEM_BASES.values():
+        for key in keys:
+            for value in HOSTILE:
+                yield {**base, "input": [{"role": "user", "content": "q"}, {**item, key: value}]}
+
+
+def test_hostile_bodies_get_no_server_error(http):
+    """About 3,000 bodies a careless or hostile client could send: each a 2xx or a 4xx in
+    OpenAI's shape, a stream that is answered ends in response.completed or .incomplete, and
+    the server answers correctly afterwards."""
+    server_errors = []
+    for body in hostile_bodies():
+        reply = http.post("/v1/responses", content=json.dumps(body, allow_nan=True), headers=JSON)
+        if reply.status_code >= 500 or "Traceback" in reply.text:
+            server_errors.append((body, reply.status_code, reply.text[:200]))
+        elif reply.status_code == 200 and body.get("stream") is True:
+            assert "event: response.completed" in reply.text or (
+                "event: response.incomplete" in reply.text)  # fmt: skip
+        elif reply.status_code != 200:
+            assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert not server_errors, server_errors[:5]
+    after = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 3})
+    assert after.status_code == 200 and after.json()["usage"]["output_tokens"] >= 1
